@@ -1,0 +1,128 @@
+"""The HTTP front end: SageMaker's /ping and /invocations plus DJL's model routes.
+
+gunicorn calls `create_app(RUNTIME_JSON)` in each worker after forking, so each worker opens its
+own engine socket and I/O thread. Every response, errors included, is JSON and carries
+`x-request-id`; no handler lets a stack trace reach the client.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from flask import Flask, Response, g, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from lmserve.handlers.request_parsing import BadRequest, parse_body
+from lmserve.rolling_batch import protocol
+from lmserve.rolling_batch.runtime import Runtime
+
+from .engine_client import EngineClient
+from .predictor import PredictionError, Predictor
+
+log = logging.getLogger("lmserve.http")
+
+_STATS_TIMEOUT_S = 5.0
+
+
+def create_app(runtime_path: str) -> Flask:
+    runtime = Runtime.read(runtime_path)
+    client = EngineClient(runtime)
+    predictor = Predictor(runtime, client)
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = runtime.config.max_request_size
+    name = runtime.model_name
+
+    @app.before_request
+    def assign_request_id() -> None:
+        g.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+
+    @app.after_request
+    def tag_response(response: Response) -> Response:
+        response.headers["x-request-id"] = g.get("request_id") or uuid.uuid4().hex
+        return response
+
+    @app.errorhandler(HTTPException)
+    def http_error(error: HTTPException):
+        return _error(error.code or 500, error.description or error.name)
+
+    @app.errorhandler(Exception)
+    def unexpected_error(error: Exception):
+        log.exception("request %s failed inside the front end", g.get("request_id"))
+        return _error(500, f"internal error: {type(error).__name__}")
+
+    @app.get("/ping")
+    def ping():
+        state = client.state()
+        if state["state"] == protocol.STATE_READY:
+            return jsonify({name: {"status": "Healthy"}})
+        if state["state"] == protocol.STATE_FAILED:
+            return jsonify({name: {"status": "Failed", "reason": state.get("reason")}}), 500
+        return jsonify({name: {"status": "Loading", "reason": state.get("reason")}}), 503
+
+    @app.post("/invocations")
+    def invocations():
+        requested = request.args.get("model_name") or request.headers.get("model_name")
+        return _predict(requested or name)
+
+    @app.post("/predictions/<model>")
+    def predictions(model: str):
+        return _predict(model)
+
+    @app.get("/models")
+    def list_models():
+        return jsonify({"models": [_describe(detailed=False)]})
+
+    @app.get("/models/<model>")
+    def describe_model(model: str):
+        if model != name:
+            return _error(404, f"model {model!r} not found; this server serves {name!r}")
+        return jsonify(_describe(detailed=True))
+
+    def _predict(model: str):
+        if model != name:
+            return _error(404, f"model {model!r} not found; this server serves {name!r}")
+        state = client.state()
+        if state["state"] != protocol.STATE_READY:
+            status = 500 if state["state"] == protocol.STATE_FAILED else 503
+            return _error(status, f"model {name} is not ready: {state.get('reason', '')}")
+        try:
+            parsed = parse_body(request.get_data(cache=False), request.content_type)
+            return jsonify(predictor.predict(parsed, g.request_id))
+        except BadRequest as error:
+            return _error(error.status, str(error), field=error.field)
+        except PredictionError as error:
+            if error.status == 424:
+                return _error(424, "prediction failure", error=error.message)
+            return _error(error.status, error.message)
+
+    def _describe(detailed: bool) -> dict:
+        state = client.state()
+        description = {
+            "modelName": name,
+            "modelUrl": runtime.model_source,
+            "status": state["state"],
+        }
+        if detailed:
+            description["config"] = runtime.config.to_dict()
+            description["engine"] = {**state, "stats": _engine_stats(state)}
+        return description
+
+    def _engine_stats(state: dict) -> dict | None:
+        if state["state"] != protocol.STATE_READY:
+            return None
+        stats_id = f"stats-{uuid.uuid4().hex}"
+        events = client.submit({"op": protocol.OP_STATS, "id": stats_id})
+        try:
+            return events.get(timeout=_STATS_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a busy engine answers late; stats are optional
+            return None
+        finally:
+            client.finish(stats_id, abort=False)
+
+    return app
+
+
+def _error(status: int, message: str, **extra) -> tuple[Response, int]:
+    body = {"code": status, "message": message, **extra}
+    return jsonify(body), status

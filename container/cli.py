@@ -1,0 +1,106 @@
+"""The `lmserve` command: `serve` and `config`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from lmserve.properties.config import ConfigError, ResolvedConfig, describe, load_config
+from lmserve.rolling_batch.runtime import Runtime
+
+from .launcher import Supervisor, make_ipc_dir, unsupported_settings
+from .model_store import ModelStoreError, resolve_model
+from .s3_download import S3Error
+
+log = logging.getLogger("lmserve")
+
+SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
+
+
+def default_model_dir() -> Path | None:
+    return SAGEMAKER_MODEL_DIR if SAGEMAKER_MODEL_DIR.is_dir() else None
+
+
+def default_cache_dir() -> Path:
+    configured = os.environ.get("LMSERVE_CACHE_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "lmserve"
+
+
+def count_devices() -> int:
+    """GPUs when the NVIDIA driver shows some, else CPU cores (one MPI rank per core). Read
+    from /proc so the supervisor never imports torch."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    if gpus.is_dir() and any(gpus.iterdir()):
+        return len(list(gpus.iterdir()))
+    return os.cpu_count() or 1
+
+
+def _load(model_dir: Path | None) -> ResolvedConfig:
+    return load_config(model_dir, os.environ, num_devices=count_devices())
+
+
+def serve(args: argparse.Namespace) -> int:
+    model_dir = args.model_dir if args.model_dir is not None else default_model_dir()
+    resolved = _load(model_dir)
+    config = resolved.config
+    problems = unsupported_settings(config)
+    if problems:
+        raise ConfigError(problems)
+    model = resolve_model(config, model_dir, default_cache_dir())
+    port = args.port if args.port is not None else config.port
+    log.info(
+        "engine=%s (rolling_batch=%s) dtype=%s batch_size=%d max_batch_delay=%d ms"
+        " job_queue_size=%d; model %s from %s at %s",
+        config.engine,
+        config.rolling_batch,
+        config.dtype,
+        config.batch_size,
+        config.max_batch_delay,
+        config.job_queue_size,
+        model.name,
+        model.source,
+        model.path,
+    )
+    runtime = Runtime(config, model.name, str(model.path), model.source, make_ipc_dir())
+    return Supervisor(runtime, args.host, port).run()
+
+
+def show_config(args: argparse.Namespace) -> int:
+    model_dir = args.model_dir if args.model_dir is not None else default_model_dir()
+    print(describe(_load(model_dir)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmserve", description="LLM serving container")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="serve /ping and /invocations")
+    serve_parser.add_argument(
+        "--model-dir", type=Path, help="folder with serving.properties and/or the model"
+    )
+    serve_parser.add_argument("--host", default="0.0.0.0")
+    serve_parser.add_argument("--port", type=int, help="default: the port setting, 8080")
+    serve_parser.set_defaults(run=serve)
+    config_parser = commands.add_parser(
+        "config", help="print the resolved configuration and where each value came from"
+    )
+    config_parser.add_argument("--model-dir", type=Path)
+    config_parser.set_defaults(run=show_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        sys.exit(args.run(args))
+    except (ConfigError, ModelStoreError, S3Error) as error:
+        log.error("%s", error)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

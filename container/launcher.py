@@ -1,0 +1,153 @@
+"""`lmserve serve`: resolve the model, start the engine and gunicorn, supervise both.
+
+Both children are fork+exec'd into process groups of their own, so stopping one stops
+everything it started (gunicorn workers, later MPI ranks). The engine reports "ready" through
+the state file; the supervisor reports what it sees: a load that takes longer than
+`model_loading_timeout` or an engine that exits marks the state failed (/ping -> 500, waiting
+requests answered), then the server exits non-zero so the platform replaces it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from lmserve.properties.config import ServingConfig
+from lmserve.rolling_batch import protocol
+from lmserve.rolling_batch.runtime import Runtime, read_state, write_state
+
+from . import gunicorn_conf
+
+log = logging.getLogger("lmserve.serve")
+
+_POLL_S = 0.2
+# How long the front end keeps answering after the engine died, so waiting clients get an
+# error reply and health checks see the failure before the server goes away.
+FAILED_GRACE_S = 5.0
+_STOP_TIMEOUT_S = 10.0
+
+
+def make_ipc_dir() -> str:
+    # mkdtemp creates the directory 0700: only this user can reach the engine socket.
+    return tempfile.mkdtemp(prefix="lmserve-")
+
+
+class Supervisor:
+    def __init__(self, runtime: Runtime, host: str, port: int):
+        self.runtime = runtime
+        self.host = host
+        self.port = port
+        self.engine: subprocess.Popen | None = None
+        self.http: subprocess.Popen | None = None
+        self._stop_signal: int | None = None
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        runtime_path = self.runtime.write()
+        write_state(self.runtime, protocol.STATE_LOADING, "loading the model")
+        try:
+            self.engine = self._start(
+                [sys.executable, "-m", "lmserve.handlers.worker", str(runtime_path)]
+            )
+            self.http = self._start(self._gunicorn_command(runtime_path))
+            return self._supervise()
+        finally:
+            self._stop_children()
+            shutil.rmtree(self.runtime.ipc_dir, ignore_errors=True)
+
+    def _gunicorn_command(self, runtime_path: Path) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--config",
+            gunicorn_conf.__file__,
+            "--bind",
+            f"{self.host}:{self.port}",
+            f"lmserve.container.app:create_app({str(runtime_path)!r})",
+        ]
+
+    def _start(self, command: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(command, start_new_session=True)
+
+    def _supervise(self) -> int:
+        loading_deadline = time.monotonic() + self.runtime.config.model_loading_timeout
+        announced_ready = False
+        while self._stop_signal is None:
+            if self.http.poll() is not None:
+                log.error("the HTTP server exited with code %s", self.http.returncode)
+                return 1
+            if self.engine.poll() is not None:
+                return self._engine_failed(f"engine exited with code {self.engine.returncode}")
+            state = read_state(self.runtime)["state"]
+            if state == protocol.STATE_READY and not announced_ready:
+                log.info("ready: http://%s:%d/invocations", self.host, self.port)
+                announced_ready = True
+            if state == protocol.STATE_LOADING and time.monotonic() > loading_deadline:
+                return self._engine_failed(
+                    f"model not loaded within {self.runtime.config.model_loading_timeout} s"
+                    " (option.model_loading_timeout)"
+                )
+            time.sleep(_POLL_S)
+        log.info("received signal %d: stopping", self._stop_signal)
+        return 0
+
+    def _engine_failed(self, reason: str) -> int:
+        log.error("%s; answering with errors for %.0f s, then exiting", reason, FAILED_GRACE_S)
+        write_state(self.runtime, protocol.STATE_FAILED, reason)
+        _stop_group(self.engine)
+        deadline = time.monotonic() + FAILED_GRACE_S
+        while time.monotonic() < deadline and self._stop_signal is None:
+            time.sleep(_POLL_S)
+        return 1
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self._stop_signal = signum
+
+    def _stop_children(self) -> None:
+        for child in (self.http, self.engine):
+            if child is not None:
+                _stop_group(child)
+
+
+def _stop_group(child: subprocess.Popen) -> None:
+    """SIGTERM the child's whole process group, SIGKILL whatever outlives the timeout."""
+    if child.poll() is None:
+        try:
+            os.killpg(child.pid, signal.SIGTERM)
+            child.wait(timeout=_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            return
+    try:
+        os.killpg(child.pid, signal.SIGKILL)  # stragglers the leader left behind
+    except ProcessLookupError:
+        pass
+    child.wait()
+
+
+def unsupported_settings(config: ServingConfig) -> list[str]:
+    """Settings this build accepts in the file but cannot serve yet: refused at start-up rather
+    than silently ignored."""
+    problems = []
+    if config.engine == "MPI":
+        problems.append("engine=MPI: the rolling-batch engine is not in this build; use Python")
+    if config.entry_point is not None:
+        problems.append(
+            f"option.entryPoint={config.entry_point!r}: custom handlers are not supported yet"
+        )
+    if config.output_formatter != "json":
+        problems.append(
+            f"option.output_formatter={config.output_formatter!r}: only json is served"
+            " by engine=Python"
+        )
+    return problems

@@ -1,0 +1,180 @@
+"""Request bodies -> a validated TextRequest. Bad input raises BadRequest naming the field;
+nothing invalid reaches the engine.
+
+Unknown parameters are dropped with a warning (DJL's behaviour: clients send vendor-specific
+knobs); wrong types and impossible values of known ones are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lmserve.rolling_batch.protocol import GenerationParams
+
+log = logging.getLogger(__name__)
+
+
+class BadRequest(Exception):
+    def __init__(self, field: str, message: str, status: int = 400):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.status = status
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    inputs: list[str]
+    batched: bool  # `inputs` was a list: answer with a list
+    params: GenerationParams
+    stop_sequences: tuple[str, ...] = ()
+    details: bool = False
+    return_full_text: bool = False
+    stream: bool = False
+
+
+def parse_body(body: bytes, content_type: str | None) -> TextRequest:
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    text = _decode(body)
+    if media_type == "text/plain":
+        if not text.strip():
+            raise BadRequest("inputs", "the text/plain body is empty")
+        return TextRequest(inputs=[text], batched=False, params=GenerationParams())
+    # Anything else is read as JSON: `curl -d` without -H sends form-urlencoded JSON.
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise BadRequest("body", f"malformed JSON: {error}") from None
+    if not isinstance(payload, dict):
+        raise BadRequest("body", "expected a JSON object with an `inputs` field")
+    return parse_payload(payload)
+
+
+def parse_payload(payload: dict[str, Any]) -> TextRequest:
+    if "inputs" not in payload:
+        raise BadRequest("inputs", "missing (a string or a list of strings)")
+    inputs = payload["inputs"]
+    batched = isinstance(inputs, list)
+    items = inputs if batched else [inputs]
+    if not items or not all(isinstance(item, str) for item in items):
+        raise BadRequest("inputs", "expected a string or a non-empty list of strings")
+    stream = payload.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream", "expected true or false")
+    if stream:
+        raise BadRequest("stream", "streaming is not available with engine=Python")
+    parameters = payload.get("parameters", {})
+    if parameters is None:
+        parameters = {}
+    if not isinstance(parameters, dict):
+        raise BadRequest("parameters", "expected a JSON object")
+    return TextRequest(inputs=items, batched=batched, **_parse_parameters(parameters))
+
+
+def _parse_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    reader = _ParameterReader(raw)
+    do_sample = reader.boolean("do_sample", False)
+    temperature = reader.number("temperature", 1.0, minimum=0.0)
+    if do_sample and temperature == 0.0:
+        do_sample = False  # vLLM/OpenAI meaning of temperature 0: greedy
+    params = GenerationParams(
+        max_new_tokens=reader.integer("max_new_tokens", 30, minimum=1),
+        do_sample=do_sample,
+        temperature=temperature if temperature > 0 else 1.0,
+        top_k=reader.integer("top_k", 0, minimum=0),
+        top_p=reader.number("top_p", 1.0, minimum=0.0, exclusive_minimum=True, maximum=1.0),
+        repetition_penalty=reader.number(
+            "repetition_penalty", 1.0, minimum=0.0, exclusive_minimum=True
+        ),
+        seed=reader.integer("seed", None, minimum=0),
+        ignore_eos=reader.boolean("ignore_eos_token", False),
+    )
+    parsed = {
+        "params": params,
+        "stop_sequences": reader.stop_sequences(),
+        "details": reader.boolean("details", False),
+        "return_full_text": reader.boolean("return_full_text", False),
+    }
+    reader.refuse_unsupported("decoder_input_details", False)
+    reader.refuse_unsupported("top_n_tokens", 0)
+    for name in sorted(set(raw) - reader.known):
+        log.warning("ignoring unknown parameter %r", name)
+    return parsed
+
+
+class _ParameterReader:
+    def __init__(self, raw: dict[str, Any]):
+        self.raw = raw
+        self.known: set[str] = set()
+
+    def _get(self, name: str) -> Any:
+        self.known.add(name)
+        return self.raw.get(name)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self._get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise BadRequest(f"parameters.{name}", f"expected true or false, got {value!r}")
+        return value
+
+    def integer(self, name: str, default: int | None, minimum: int) -> int | None:
+        value = self._get(name)
+        if value is None:
+            return default
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise BadRequest(f"parameters.{name}", f"expected an integer, got {value!r}")
+        if value < minimum:
+            raise BadRequest(f"parameters.{name}", f"must be >= {minimum}, got {value}")
+        return value
+
+    def number(
+        self,
+        name: str,
+        default: float,
+        minimum: float,
+        exclusive_minimum: bool = False,
+        maximum: float | None = None,
+    ) -> float:
+        value = self._get(name)
+        if value is None:
+            return default
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            raise BadRequest(f"parameters.{name}", f"expected a number, got {value!r}")
+        too_low = value <= minimum if exclusive_minimum else value < minimum
+        too_high = maximum is not None and value > maximum
+        if too_low or too_high or math.isinf(value):
+            low = f"> {minimum}" if exclusive_minimum else f">= {minimum}"
+            high = f" and <= {maximum}" if maximum is not None else ""
+            raise BadRequest(f"parameters.{name}", f"must be {low}{high}, got {value}")
+        return float(value)
+
+    def stop_sequences(self) -> tuple[str, ...]:
+        value = self._get("stop_sequences")
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+            raise BadRequest(
+                "parameters.stop_sequences", "expected a list of non-empty strings"
+            )
+        return tuple(value)
+
+    def refuse_unsupported(self, name: str, default: Any) -> None:
+        value = self._get(name)
+        if value is not None and value != default:
+            raise BadRequest(f"parameters.{name}", f"not supported yet (only {default!r})")
+
+
+def _decode(body: bytes) -> str:
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise BadRequest("body", f"not valid UTF-8: {error}") from None

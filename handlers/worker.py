@@ -1,0 +1,166 @@
+"""engine=Python: the engine process. `python -m lmserve.handlers.worker RUNTIME_JSON`.
+
+Loads the model, binds the engine socket, then loops: take requests from the front ends into
+the dynamic batcher, run whichever batch is due, send one final event per request. A failing
+batch is retried request by request so one bad request cannot fail its neighbours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections import Counter
+
+import torch
+import zmq
+
+from lmserve.rolling_batch import protocol
+from lmserve.rolling_batch.protocol import GenerationParams
+from lmserve.rolling_batch.runtime import Runtime, write_state
+
+from .dynamic_batcher import DynamicBatcher, PendingRequest
+from .hf_engine import Generation, HFEngine
+
+log = logging.getLogger("lmserve.engine")
+
+_IDLE_POLL_MS = 1000
+
+
+class PythonEngineLoop:
+    def __init__(self, runtime: Runtime, engine: HFEngine, socket: zmq.Socket):
+        config = runtime.config
+        self.engine = engine
+        self.socket = socket
+        self.batcher = DynamicBatcher(
+            config.batch_size, config.max_batch_delay / 1000.0, config.job_queue_size
+        )
+        self.batch_sizes: Counter[int] = Counter()
+        self.num_failed = 0
+
+    def run_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        while True:
+            wait = self.batcher.seconds_until_due(time.monotonic())
+            timeout_ms = _IDLE_POLL_MS if wait is None else int(wait * 1000) + 1
+            if poller.poll(timeout_ms):
+                self._drain_socket()
+            batch = self.batcher.next_batch(time.monotonic())
+            if batch:
+                self._run_batch(batch)
+
+    def _drain_socket(self) -> None:
+        while True:
+            try:
+                identity, frame = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(identity, protocol.unpack(frame))
+            except (ValueError, KeyError, TypeError) as error:
+                # The front end validates; reaching here means a version skew or a bug.
+                log.error("dropping malformed IPC message: %s", error)
+
+    def _handle(self, identity: bytes, message: dict) -> None:
+        op, request_id = message["op"], message["id"]
+        if op == protocol.OP_GENERATE:
+            if not self.batcher.can_add():
+                limit = self.batcher.max_queued
+                self._send(
+                    identity,
+                    protocol.error_event(
+                        request_id, 503, f"job queue full ({limit} requests; job_queue_size)"
+                    ),
+                )
+                return
+            params = GenerationParams(**message["params"])
+            self.batcher.add(
+                PendingRequest(
+                    request_id, identity, message["prompt_ids"], params, time.monotonic()
+                )
+            )
+        elif op == protocol.OP_ABORT:
+            self.batcher.remove(request_id)
+        elif op == protocol.OP_STATS:
+            self._send(identity, {"kind": protocol.KIND_STATS, "id": request_id, **self.stats()})
+
+    def stats(self) -> dict:
+        return {
+            "batch_sizes": {str(size): count for size, count in sorted(self.batch_sizes.items())},
+            "num_queued": self.batcher.num_queued,
+            "num_failed": self.num_failed,
+        }
+
+    def _run_batch(self, batch: list[PendingRequest]) -> None:
+        try:
+            results = self._generate(batch)
+        except Exception as error:  # noqa: BLE001 - any model failure answers, never crashes
+            if len(batch) == 1:
+                self._fail(batch[0], error)
+                return
+            log.warning("batch of %d failed (%s); retrying one by one", len(batch), error)
+            for request in batch:
+                self._run_batch([request])
+            return
+        self.batch_sizes[len(batch)] += 1
+        for request, result in zip(batch, results):
+            self._send(
+                request.reply_to,
+                protocol.final_event(
+                    request.request_id,
+                    result.token_ids,
+                    result.log_probs,
+                    result.finish_reason,
+                    len(batch),
+                ),
+            )
+
+    def _generate(self, batch: list[PendingRequest]) -> list[Generation]:
+        return self.engine.generate([r.prompt_ids for r in batch], [r.params for r in batch])
+
+    def _fail(self, request: PendingRequest, error: Exception) -> None:
+        self.num_failed += 1
+        out_of_memory = isinstance(error, (torch.OutOfMemoryError, MemoryError))
+        log.error("request %s failed: %r", request.request_id, error)
+        status = 507 if out_of_memory else 424
+        message = f"{type(error).__name__}: {error}"
+        self._send(request.reply_to, protocol.error_event(request.request_id, status, message))
+
+    def _send(self, identity: bytes, event: dict) -> None:
+        self.socket.send_multipart([identity, protocol.pack(event)])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("runtime", help="runtime.json written by `lmserve serve`")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    runtime = Runtime.read(args.runtime)
+    config = runtime.config
+    started = time.monotonic()
+    engine = HFEngine.load(runtime.model_path, config.dtype, config.trust_remote_code)
+    log.info(
+        "engine=Python model %s loaded in %.1f s: dtype=%s device=%s batch_size=%d"
+        " max_batch_delay=%d ms job_queue_size=%d",
+        runtime.model_name,
+        time.monotonic() - started,
+        str(engine.dtype).removeprefix("torch."),
+        engine.device,
+        config.batch_size,
+        config.max_batch_delay,
+        config.job_queue_size,
+    )
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    socket.bind(runtime.engine_address)
+    write_state(
+        runtime,
+        protocol.STATE_READY,
+        dtype=str(engine.dtype).removeprefix("torch."),
+        device=engine.device,
+    )
+    PythonEngineLoop(runtime, engine, socket).run_forever()
+
+
+if __name__ == "__main__":
+    main()

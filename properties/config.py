@@ -1,0 +1,243 @@
+"""serving.properties + environment -> one frozen, validated ServingConfig.
+
+Precedence for each key, highest first (lmi-contract.md): the file, then `OPTION_*` /
+`SERVING_*`, then the key's named variables (LMI names such as `HF_MODEL_ID` and
+`TENSOR_PARALLEL_DEGREE`, then the TGI/SageMaker aliases such as `SM_NUM_GPUS`), then the
+default. Every value remembers where it came from, for `lmserve config`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .javaprops import PropertiesSyntaxError, parse_properties
+from .settings import INFERRED, SETTINGS, SETTINGS_BY_KEY, normalized
+
+log = logging.getLogger(__name__)
+
+PROPERTIES_FILE = "serving.properties"
+
+
+class ConfigError(ValueError):
+    """Every problem found, one per line, each naming key, value and what is allowed."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid serving configuration:\n  " + "\n  ".join(problems))
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    engine: str
+    batch_size: int
+    max_batch_delay: int  # ms
+    job_queue_size: int
+    min_workers: int
+    max_workers: int
+    port: int
+    max_request_size: int  # bytes
+    model_id: str | None
+    revision: str | None
+    task: str
+    tensor_parallel_degree: int
+    rolling_batch: str
+    max_rolling_batch_size: int
+    max_rolling_batch_prefill_tokens: int
+    paged_attention: bool
+    dtype: str
+    max_model_len: int | None
+    trust_remote_code: bool
+    entry_point: str | None
+    output_formatter: str
+    tgi_compat: bool
+    predict_timeout: int  # s
+    model_loading_timeout: int  # s
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+    quantize: None
+    # Unknown option.* keys (prefix stripped), kept for custom handlers.
+    extra_options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def uses_rolling_batch(self) -> bool:
+        return self.rolling_batch != "disable"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> ServingConfig:
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    config: ServingConfig
+    sources: dict[str, str]  # serving.properties key -> "file line 3" | "env X" | "default" ...
+
+
+def load_config(
+    model_dir: str | os.PathLike | None,
+    environ: Mapping[str, str] | None = None,
+    num_devices: int | None = None,
+) -> ResolvedConfig:
+    """Reads `<model_dir>/serving.properties` (if any) and the environment.
+
+    `num_devices` bounds tensor_parallel_degree (`max` resolves to it); None skips that check.
+    """
+    environ = os.environ if environ is None else environ
+    file_values = _read_file(model_dir)
+    raw = _merge_sources(file_values, environ)
+    problems: list[str] = []
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    extra_options: dict[str, str] = {}
+    for key, (text, source) in raw.items():
+        setting = SETTINGS_BY_KEY.get(key)
+        if setting is None:
+            if key.startswith("option."):
+                log.warning("unknown option %s=%r (%s): kept for custom handlers", key, text, source)
+                extra_options[key.removeprefix("option.")] = text
+                sources[key] = source
+            else:
+                log.warning("unknown server key %s=%r (%s): ignored", key, text, source)
+            continue
+        try:
+            values[setting.field] = setting.parse(text)
+        except ValueError as allowed:
+            problems.append(f"{key}={text!r} ({source}): expected {allowed}")
+            values[setting.field] = setting.default  # keeps the cross-field checks meaningful
+        sources[key] = source
+    for setting in SETTINGS:
+        if setting.key not in sources:
+            values.setdefault(setting.field, setting.default)
+            sources[setting.key] = "default"
+    _resolve_max_devices(values, num_devices)
+    _infer(values, sources)
+    problems += _cross_field_problems(values, num_devices)
+    if problems:
+        raise ConfigError(problems)
+    return ResolvedConfig(ServingConfig(**values, extra_options=extra_options), sources)
+
+
+def _read_file(model_dir: str | os.PathLike | None) -> dict[str, tuple[str, str]]:
+    if model_dir is None:
+        return {}
+    path = Path(model_dir) / PROPERTIES_FILE
+    if not path.is_file():
+        return {}
+    try:
+        entries = parse_properties(path.read_text(encoding="utf-8"))
+    except PropertiesSyntaxError as error:
+        raise ConfigError([f"{path}: {error}"]) from None
+    return {e.key: (e.value, f"{PROPERTIES_FILE} line {e.line_number}") for e in entries}
+
+
+def _merge_sources(
+    file_values: dict[str, tuple[str, str]], environ: Mapping[str, str]
+) -> dict[str, tuple[str, str]]:
+    merged: dict[str, tuple[str, str]] = {}
+    known_by_normalized = {normalized(s.key): s.key for s in SETTINGS}
+    # Lowest precedence first; later writes win.
+    for setting in SETTINGS:
+        for name in reversed(setting.env_aliases):
+            if environ.get(name, "") != "":
+                merged[setting.key] = (environ[name], f"env {name}")
+    for name in sorted(environ):
+        key = _key_for_env_name(name, known_by_normalized)
+        if key is not None:
+            merged[key] = (environ[name], f"env {name}")
+    merged.update(file_values)
+    return merged
+
+
+def _key_for_env_name(name: str, known_by_normalized: dict[str, str]) -> str | None:
+    if name == "OPTION_ENGINE":
+        return "engine"
+    if name.startswith("OPTION_") and len(name) > len("OPTION_"):
+        key = "option." + name.removeprefix("OPTION_").lower()
+        return known_by_normalized.get(normalized(key), key)
+    if name.startswith("SERVING_") and len(name) > len("SERVING_"):
+        # Only known server keys: SERVING_* is also used by unrelated tooling.
+        return known_by_normalized.get(normalized(name.removeprefix("SERVING_")))
+    return None
+
+
+def _infer(values: dict[str, Any], sources: dict[str, str]) -> None:
+    """engine and rolling_batch decide each other when only one is given (DJL's behaviour):
+    asking for a rolling batch or for more than one rank means engine=MPI."""
+    if values["engine"] is INFERRED:
+        wants_mpi = (
+            values["rolling_batch"] not in (INFERRED, "disable")
+            or values["tensor_parallel_degree"] > 1
+        )
+        values["engine"] = "MPI" if wants_mpi else "Python"
+        sources["engine"] = "inferred"
+    if values["rolling_batch"] is INFERRED:
+        values["rolling_batch"] = "auto" if values["engine"] == "MPI" else "disable"
+        sources["option.rolling_batch"] = "inferred from engine"
+
+
+def _resolve_max_devices(values: dict[str, Any], num_devices: int | None) -> None:
+    if values["tensor_parallel_degree"] == "max":
+        values["tensor_parallel_degree"] = num_devices or 1
+
+
+def _cross_field_problems(values: dict[str, Any], num_devices: int | None) -> list[str]:
+    problems = []
+    tp = values["tensor_parallel_degree"]
+    if isinstance(tp, int) and num_devices is not None and tp > num_devices:
+        problems.append(
+            f"option.tensor_parallel_degree={tp}: only {num_devices} device(s) here;"
+            f" expected an integer <= {num_devices} or \"max\""
+        )
+    if values["engine"] == "Python":
+        if values["rolling_batch"] != "disable":
+            problems.append(
+                f"option.rolling_batch={values['rolling_batch']!r} with engine=Python:"
+                " rolling batch needs engine=MPI; expected disable, or set engine=MPI"
+            )
+        if isinstance(tp, int) and tp > 1:
+            problems.append(
+                f"option.tensor_parallel_degree={tp} with engine=Python:"
+                " tensor parallelism needs engine=MPI; expected 1, or set engine=MPI"
+            )
+    elif values["rolling_batch"] == "disable":
+        problems.append(
+            "option.rolling_batch='disable' with engine=MPI: the MPI engine always rolls;"
+            " expected auto, scheduler, lmi-dist or vllm"
+        )
+    if values["batch_size"] > 1 and values["rolling_batch"] != "disable":
+        problems.append(
+            f"batch_size={values['batch_size']} with option.rolling_batch="
+            f"{values['rolling_batch']!r}: dynamic batching and rolling batch exclude each other;"
+            " expected batch_size=1 (use option.max_rolling_batch_size)"
+        )
+    if values["min_workers"] > values["max_workers"]:
+        problems.append(
+            f"minWorkers={values['min_workers']} > maxWorkers={values['max_workers']}:"
+            " expected minWorkers <= maxWorkers"
+        )
+    return problems
+
+
+def describe(resolved: ResolvedConfig) -> str:
+    """The resolved configuration as a table: key, value, where the value came from."""
+    config = resolved.config.to_dict()
+    rows = [
+        (setting.key, repr(config[setting.field]), resolved.sources[setting.key])
+        for setting in SETTINGS
+    ]
+    rows += [
+        (f"option.{name}", repr(value), resolved.sources[f"option.{name}"] + ", unknown: kept")
+        for name, value in resolved.config.extra_options.items()
+    ]
+    width_key = max(len(r[0]) for r in rows)
+    width_value = max(len(r[1]) for r in rows)
+    return "\n".join(f"{k:<{width_key}}  {v:<{width_value}}  {s}" for k, v, s in rows)

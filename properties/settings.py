@@ -1,0 +1,193 @@
+"""The table of known serving.properties keys: how each is parsed, its default, and which
+environment variables may set it. Parsers raise ValueError with the allowed values; the loader
+turns that into one message naming key and value."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str  # as written in serving.properties, e.g. "batch_size" or "option.dtype"
+    field: str  # ServingConfig attribute
+    parse: Callable[[str], Any]
+    default: Any  # INFERRED: decided from other settings after parsing
+    # Environment names after OPTION_*/SERVING_*, in precedence order (LMI names, then TGI's).
+    env_aliases: tuple[str, ...] = ()
+
+
+INFERRED = object()
+
+
+def integer(minimum: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError("an integer" + (f" >= {minimum}" if minimum is not None else ""))
+        if minimum is not None and value < minimum:
+            raise ValueError(f"an integer >= {minimum}")
+        return value
+
+    return parse
+
+
+def real(low: float, high: float, low_open: bool = True) -> Callable[[str], float]:
+    bracket = "(" if low_open else "["
+
+    def parse(text: str) -> float:
+        allowed = f"a number in {bracket}{low}, {high}]"
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise ValueError(allowed)
+        if not (low < value <= high if low_open else low <= value <= high):
+            raise ValueError(allowed)
+        return value
+
+    return parse
+
+
+def boolean(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    raise ValueError("true or false")
+
+
+def choice(*allowed: str, aliases: dict[str, str] | None = None) -> Callable[[str], str]:
+    """Case-insensitive; returns the canonical spelling."""
+    canonical = {name.lower(): name for name in allowed}
+    canonical.update({k.lower(): v for k, v in (aliases or {}).items()})
+
+    def parse(text: str) -> str:
+        try:
+            return canonical[text.strip().lower()]
+        except KeyError:
+            raise ValueError("one of " + ", ".join(allowed))
+
+    return parse
+
+
+def text(value: str) -> str:
+    return value.strip()
+
+
+def tensor_parallel_degree(text_value: str) -> int | str:
+    if text_value.strip().lower() == "max":
+        return "max"
+    try:
+        return integer(1)(text_value)
+    except ValueError:
+        raise ValueError('an integer >= 1 or "max"')
+
+
+def output_formatter(text_value: str) -> str:
+    value = text_value.strip()
+    if value in ("json", "jsonlines", "sse") or value.isidentifier():
+        return value
+    raise ValueError("json, jsonlines, sse, or the name of a function in model.py")
+
+
+def unsupported(what: str) -> Callable[[str], Any]:
+    def parse(text_value: str) -> Any:
+        if text_value.strip() == "":
+            return None
+        raise ValueError(f"unset: {what}")
+
+    return parse
+
+
+ROLLING_BATCH_ALIASES = ("scheduler", "lmi-dist", "vllm")
+
+SETTINGS: tuple[Setting, ...] = (
+    # server keys (plain, SERVING_*)
+    Setting("engine", "engine", choice("Python", "MPI"), INFERRED),
+    Setting("batch_size", "batch_size", integer(1), 1),
+    Setting("max_batch_delay", "max_batch_delay", integer(0), 100),
+    Setting("job_queue_size", "job_queue_size", integer(1), 1000, ("MAX_CONCURRENT_REQUESTS",)),
+    Setting("minWorkers", "min_workers", integer(1), 1),
+    Setting("maxWorkers", "max_workers", integer(1), 1),
+    Setting("port", "port", integer(1), 8080),
+    # DJL's default request size limit (bytes).
+    Setting("max_request_size", "max_request_size", integer(1), 6553500),
+    # engine options (option.*, OPTION_*)
+    Setting("option.model_id", "model_id", text, None, ("HF_MODEL_ID",)),
+    Setting("option.revision", "revision", text, None, ("HF_REVISION",)),
+    Setting("option.task", "task", text, "text-generation", ("HF_TASK",)),
+    Setting(
+        "option.tensor_parallel_degree",
+        "tensor_parallel_degree",
+        tensor_parallel_degree,
+        1,
+        ("TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS"),
+    ),
+    Setting(
+        "option.rolling_batch",
+        "rolling_batch",
+        choice("auto", *ROLLING_BATCH_ALIASES, "disable"),
+        INFERRED,
+    ),
+    Setting(
+        "option.max_rolling_batch_size",
+        "max_rolling_batch_size",
+        integer(1),
+        32,
+        ("MAX_BATCH_SIZE",),
+    ),
+    Setting(
+        "option.max_rolling_batch_prefill_tokens",
+        "max_rolling_batch_prefill_tokens",
+        integer(1),
+        4096,
+        ("MAX_BATCH_PREFILL_TOKENS",),
+    ),
+    Setting("option.paged_attention", "paged_attention", boolean, True),
+    Setting(
+        "option.dtype",
+        "dtype",
+        choice(
+            "fp32",
+            "fp16",
+            "bf16",
+            "auto",
+            aliases={"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"},
+        ),
+        "auto",
+    ),
+    Setting("option.max_model_len", "max_model_len", integer(1), None),
+    Setting(
+        "option.trust_remote_code",
+        "trust_remote_code",
+        boolean,
+        False,
+        ("HF_MODEL_TRUST_REMOTE_CODE",),
+    ),
+    Setting("option.entryPoint", "entry_point", text, None),
+    Setting("option.output_formatter", "output_formatter", output_formatter, "json"),
+    Setting("option.tgi_compat", "tgi_compat", boolean, False),
+    Setting("option.predict_timeout", "predict_timeout", integer(1), 120),
+    Setting("option.model_loading_timeout", "model_loading_timeout", integer(1), 240),
+    Setting("option.gpu_memory_utilization", "gpu_memory_utilization", real(0.0, 1.0), 0.9),
+    Setting("option.enable_prefix_caching", "enable_prefix_caching", boolean, False),
+    Setting("option.enable_chunked_prefill", "enable_chunked_prefill", boolean, False),
+    # lmserve serves unquantized weights only; saying so beats silently ignoring the request.
+    Setting(
+        "option.quantize",
+        "quantize",
+        unsupported("lmserve serves unquantized weights (GGUF files are dequantized)"),
+        None,
+        ("HF_MODEL_QUANTIZE",),
+    ),
+)
+
+SETTINGS_BY_KEY = {setting.key: setting for setting in SETTINGS}
+
+
+def normalized(name: str) -> str:
+    """Key spelling used to match environment names: OPTION_ENTRYPOINT -> option.entryPoint,
+    SERVING_MIN_WORKERS -> minWorkers."""
+    return name.lower().replace("_", "")

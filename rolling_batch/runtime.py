@@ -1,0 +1,69 @@
+"""What `lmserve serve` hands to the processes it starts: one JSON file in the private IPC
+directory (config, resolved model, socket paths) and the engine's state file beside it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmserve.properties.config import ServingConfig
+from .protocol import ENGINE_SOCKET, STATE_FILE, STATE_LOADING
+
+RUNTIME_FILE = "runtime.json"
+
+
+@dataclass(frozen=True)
+class Runtime:
+    config: ServingConfig
+    model_name: str
+    model_path: str  # a local HF directory
+    model_source: str  # where it came from, for logs and /models
+    ipc_dir: str
+
+    @property
+    def engine_address(self) -> str:
+        return f"ipc://{Path(self.ipc_dir) / ENGINE_SOCKET}"
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.ipc_dir) / STATE_FILE
+
+    def write(self) -> Path:
+        path = Path(self.ipc_dir) / RUNTIME_FILE
+        payload = {
+            "config": self.config.to_dict(),
+            "model_name": self.model_name,
+            "model_path": self.model_path,
+            "model_source": self.model_source,
+            "ipc_dir": self.ipc_dir,
+        }
+        _write_atomically(path, json.dumps(payload))
+        return path
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> Runtime:
+        payload = json.loads(Path(path).read_text())
+        payload["config"] = ServingConfig.from_dict(payload["config"])
+        return cls(**payload)
+
+
+def write_state(runtime: Runtime, state: str, reason: str = "", **details) -> None:
+    record = {"state": state, "reason": reason, "since": time.time(), **details}
+    _write_atomically(runtime.state_path, json.dumps(record))
+
+
+def read_state(runtime: Runtime) -> dict:
+    try:
+        return json.loads(runtime.state_path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {"state": STATE_LOADING, "reason": "engine starting"}
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    # Readers poll these files; a rename never shows them a half-written one.
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
