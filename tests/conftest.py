@@ -1,0 +1,61 @@
+"""Shared fixtures: the real SmolLM2 (converted once from the embedded GGUF) and a tiny
+random-weight Llama that uses SmolLM2's tokenizer, for tests that need speed, not quality."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Kept between local runs (gitignored) so the ~20 s GGUF conversion happens once per machine.
+TEST_CACHE_DIR = REPO_ROOT / ".cache" / "tests"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    TEST_CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    return TEST_CACHE_DIR
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(cache_dir: Path) -> Path:
+    from lmserve.container.model_store import convert_gguf_once, embedded_gguf
+
+    return convert_gguf_once(embedded_gguf(), cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (smollm2_dir / name).exists():
+            shutil.copy(smollm2_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _offline() -> None:
+    # No test may reach a model hub (the Makefile sets it too; this covers a bare `pytest`).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
