@@ -99,10 +99,12 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
 
-    def stop(self, timeout: float = 30.0) -> int:
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Stops the server with `signum`; returns its exit code after checking that every
+        process it had started is gone."""
         started = descendants(self.process.pid)
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(signum)
         code = self.process.wait(timeout=timeout)
         self._log.close()
         leftovers = [pid for pid in started if alive(pid)]
