@@ -11,11 +11,10 @@ import logging
 import uuid
 
 from flask import Flask, Response, g, jsonify, request
-from werkzeug.exceptions import HTTPException
-
 from lmserve.handlers.request_parsing import BadRequest, parse_body
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
+from werkzeug.exceptions import HTTPException
 
 from .engine_client import EngineClient
 from .predictor import PredictionError, Predictor

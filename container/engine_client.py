@@ -15,7 +15,6 @@ import threading
 import time
 
 import zmq
-
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime, read_state
 

@@ -10,9 +10,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
-
 from lmserve.rolling_batch.protocol import GenerationParams
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,9 @@ class HFEngine:
         return cls(model, device)
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: list[GenerationParams]) -> list[Generation]:
+    def generate(
+        self, prompts: list[list[int]], params: list[GenerationParams]
+    ) -> list[Generation]:
         """`params` share one `batch_key()`; only max_new_tokens may differ."""
         width = max(len(p) for p in prompts)
         input_ids = torch.tensor(
@@ -88,7 +89,8 @@ class HFEngine:
         sampling = (
             {
                 "temperature": params.temperature,
-                "top_k": params.top_k if params.top_k > 0 else None,
+                # 0 (off) must be explicit: a None is filled with HF's default of 50.
+                "top_k": params.top_k,
                 "top_p": params.top_p,
             }
             if params.do_sample
@@ -98,7 +100,8 @@ class HFEngine:
             max_new_tokens=max_new_tokens,
             do_sample=params.do_sample,
             repetition_penalty=params.repetition_penalty,
-            eos_token_id=None if params.ignore_eos else sorted(self.eos_token_ids),
+            # [] rather than None: None is filled from the model's generation config.
+            eos_token_id=[] if params.ignore_eos else sorted(self.eos_token_ids),
             pad_token_id=self.pad_token_id,
             output_scores=True,
             return_dict_in_generate=True,

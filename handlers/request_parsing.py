@@ -162,9 +162,7 @@ class _ParameterReader:
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-            raise BadRequest(
-                "parameters.stop_sequences", "expected a list of non-empty strings"
-            )
+            raise BadRequest("parameters.stop_sequences", "expected a list of non-empty strings")
         return tuple(value)
 
     def refuse_unsupported(self, name: str, default: Any) -> None:

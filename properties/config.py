@@ -102,7 +102,9 @@ def load_config(
         setting = SETTINGS_BY_KEY.get(key)
         if setting is None:
             if key.startswith("option."):
-                log.warning("unknown option %s=%r (%s): kept for custom handlers", key, text, source)
+                log.warning(
+                    "unknown option %s=%r (%s): kept for custom handlers", key, text, source
+                )
                 extra_options[key.removeprefix("option.")] = text
                 sources[key] = source
             else:
@@ -195,7 +197,7 @@ def _cross_field_problems(values: dict[str, Any], num_devices: int | None) -> li
     if isinstance(tp, int) and num_devices is not None and tp > num_devices:
         problems.append(
             f"option.tensor_parallel_degree={tp}: only {num_devices} device(s) here;"
-            f" expected an integer <= {num_devices} or \"max\""
+            f' expected an integer <= {num_devices} or "max"'
         )
     if values["engine"] == "Python":
         if values["rolling_batch"] != "disable":

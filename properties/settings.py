@@ -27,7 +27,9 @@ def integer(minimum: int | None = None) -> Callable[[str], int]:
         try:
             value = int(text.strip())
         except ValueError:
-            raise ValueError("an integer" + (f" >= {minimum}" if minimum is not None else ""))
+            raise ValueError(
+                "an integer" + (f" >= {minimum}" if minimum is not None else "")
+            ) from None
         if minimum is not None and value < minimum:
             raise ValueError(f"an integer >= {minimum}")
         return value
@@ -43,7 +45,7 @@ def real(low: float, high: float, low_open: bool = True) -> Callable[[str], floa
         try:
             value = float(text.strip())
         except ValueError:
-            raise ValueError(allowed)
+            raise ValueError(allowed) from None
         if not (low < value <= high if low_open else low <= value <= high):
             raise ValueError(allowed)
         return value
@@ -67,7 +69,7 @@ def choice(*allowed: str, aliases: dict[str, str] | None = None) -> Callable[[st
         try:
             return canonical[text.strip().lower()]
         except KeyError:
-            raise ValueError("one of " + ", ".join(allowed))
+            raise ValueError("one of " + ", ".join(allowed)) from None
 
     return parse
 
@@ -82,7 +84,7 @@ def tensor_parallel_degree(text_value: str) -> int | str:
     try:
         return integer(1)(text_value)
     except ValueError:
-        raise ValueError('an integer >= 1 or "max"')
+        raise ValueError('an integer >= 1 or "max"') from None
 
 
 def output_formatter(text_value: str) -> str:

@@ -66,7 +66,12 @@ class GenerationParams:
 
 
 def generate_message(request_id: str, prompt_ids: list[int], params: GenerationParams) -> dict:
-    return {"op": OP_GENERATE, "id": request_id, "prompt_ids": prompt_ids, "params": params.to_dict()}
+    return {
+        "op": OP_GENERATE,
+        "id": request_id,
+        "prompt_ids": prompt_ids,
+        "params": params.to_dict(),
+    }
 
 
 def final_event(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmserve.properties.config import ServingConfig
+
 from .protocol import ENGINE_SOCKET, STATE_FILE, STATE_LOADING
 
 RUNTIME_FILE = "runtime.json"

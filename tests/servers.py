@@ -72,9 +72,21 @@ class Server:
         full_env = {**os.environ, "LMSERVE_CACHE_DIR": str(TEST_CACHE_DIR), **(env or {})}
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "lmserve.container.cli", "serve", "--model-dir",
-             str(model_dir), "--host", "127.0.0.1", "--port", str(self.port)],
-            env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "lmserve.container.cli",
+                "serve",
+                "--model-dir",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
         )
 
     def wait_healthy(self, timeout: float = 180.0) -> None:

@@ -66,7 +66,10 @@ def assert_still_serving(server):
         ({"inputs": "hi", "parameters": {"top_p": 0}}, "parameters.top_p"),
         ({"inputs": "hi", "parameters": {"top_k": -3}}, "parameters.top_k"),
         ({"inputs": "hi", "parameters": {"do_sample": "yes"}}, "parameters.do_sample"),
-        ({"inputs": "hi", "parameters": {"repetition_penalty": 0}}, "parameters.repetition_penalty"),
+        (
+            {"inputs": "hi", "parameters": {"repetition_penalty": 0}},
+            "parameters.repetition_penalty",
+        ),
         ({"inputs": "hi", "parameters": {"seed": -1}}, "parameters.seed"),
         ({"inputs": "hi", "parameters": {"stop_sequences": [1]}}, "parameters.stop_sequences"),
         ({"inputs": "hi", "parameters": {"details": 1}}, "parameters.details"),
@@ -138,12 +141,16 @@ def test_list_inputs_text_plain_and_model_routes(server):
     plain = post(server, "Hello there", headers={"Content-Type": "text/plain"})
     assert plain.status_code == 200 and "generated_text" in plain.json()
     name = requests.get(f"{server.url}/models", timeout=10).json()["models"][0]["modelName"]
-    routed = post(server, {"inputs": "hi", "parameters": {"max_new_tokens": 2}},
-                  path=f"/predictions/{name}")
+    routed = post(
+        server, {"inputs": "hi", "parameters": {"max_new_tokens": 2}}, path=f"/predictions/{name}"
+    )
     assert routed.status_code == 200
     described = requests.get(f"{server.url}/models/{name}", timeout=10).json()
     assert described["status"] == "ready"
     assert described["config"]["job_queue_size"] == 2
-    own_id = post(server, {"inputs": "hi"}, headers={"Content-Type": "application/json",
-                                                     "x-request-id": "abc-123"})
+    own_id = post(
+        server,
+        {"inputs": "hi"},
+        headers={"Content-Type": "application/json", "x-request-id": "abc-123"},
+    )
     assert own_id.headers["x-request-id"] == "abc-123"

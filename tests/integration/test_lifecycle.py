@@ -67,9 +67,7 @@ def test_engine_death_answers_waiting_clients_and_exits_nonzero(tmp_path, tiny_m
     }
 
     def ask():
-        answers.append(
-            requests.post(f"{server.url}/invocations", json=long_request, timeout=60)
-        )
+        answers.append(requests.post(f"{server.url}/invocations", json=long_request, timeout=60))
 
     client = threading.Thread(target=ask)
     client.start()

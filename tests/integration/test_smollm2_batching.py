@@ -74,7 +74,10 @@ def test_concurrent_greedy_requests_match_hf_and_are_batched(server, hf):
     def ask(prompt: str) -> requests.Response:
         return requests.post(
             f"{server.url}/invocations",
-            json={"inputs": prompt, "parameters": {"max_new_tokens": MAX_NEW_TOKENS, "details": True}},
+            json={
+                "inputs": prompt,
+                "parameters": {"max_new_tokens": MAX_NEW_TOKENS, "details": True},
+            },
             timeout=300,
         )
 

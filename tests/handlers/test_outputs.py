@@ -1,0 +1,55 @@
+"""Output shaping with SmolLM2's real tokenizer: stop sequences cut text and tokens together,
+details and the TGI shape."""
+
+from __future__ import annotations
+
+import pytest
+from lmserve.handlers.outputs import complete, shape_response, to_json
+from lmserve.handlers.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return Tokenizer(smollm2_dir)
+
+
+def test_stop_sequence_cuts_text_tokens_and_reason(tokenizer):
+    token_ids = tokenizer.encode(" Paris. The city of light is big.")
+    log_probs = [-0.5] * len(token_ids)
+    completion = complete(tokenizer, "Capital:", token_ids, log_probs, "length", ("light", "big"))
+    assert completion.text == " Paris. The city of light"
+    assert completion.finish_reason == "stop_sequence"
+    assert tokenizer.decode(completion.token_ids) == completion.text
+    assert len(completion.log_probs) == len(completion.token_ids) < len(token_ids)
+
+
+def test_no_stop_sequence_keeps_everything(tokenizer):
+    token_ids = tokenizer.encode(" Paris.")
+    completion = complete(tokenizer, "p", token_ids, [0.0] * len(token_ids), "eos_token", ("x",))
+    assert completion.text == " Paris." and completion.finish_reason == "eos_token"
+    assert completion.token_ids == token_ids
+
+
+def test_details_and_full_text(tokenizer):
+    token_ids = tokenizer.encode(" Paris") + [2]  # 2 = <|im_end|>, the EOS
+    completion = complete(tokenizer, "Capital:", token_ids, [-0.1, -0.2], "eos_token", ())
+    output = to_json(completion, tokenizer, details=True, return_full_text=True, tgi_compat=False)
+    assert output["generated_text"] == "Capital: Paris"
+    details = output["details"]
+    assert details["finish_reason"] == "eos_token" and details["generated_tokens"] == 2
+    assert details["tokens"][0] == {"id": token_ids[0], "text": " Paris", "log_prob": -0.1}
+    assert details["tokens"][1]["text"] == "<|im_end|>"
+
+
+def test_tgi_compat_token_keys_and_list_shape(tokenizer):
+    token_ids = tokenizer.encode(" Paris") + [2]
+    completion = complete(tokenizer, "c", token_ids, [-0.1, -0.2], "eos_token", ())
+    output = to_json(completion, tokenizer, details=True, return_full_text=False, tgi_compat=True)
+    assert output["details"]["tokens"][1] == {
+        "id": 2,
+        "text": "<|im_end|>",
+        "logprob": -0.2,
+        "special": True,
+    }
+    assert shape_response([output], batched=False, tgi_compat=True) == [output]
+    assert shape_response([output], batched=False, tgi_compat=False) == output

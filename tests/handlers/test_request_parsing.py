@@ -1,0 +1,103 @@
+"""Request bodies: the accepted shapes and their defaults, and a 400 naming the field for each
+kind of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from lmserve.handlers.request_parsing import BadRequest, parse_body
+from lmserve.rolling_batch.protocol import GenerationParams
+
+
+def parse(payload, content_type="application/json"):
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return parse_body(body, content_type)
+
+
+def test_defaults_follow_the_contract():
+    request = parse({"inputs": "hi"})
+    assert request.inputs == ["hi"] and not request.batched
+    assert request.params == GenerationParams(max_new_tokens=30, do_sample=False)
+    assert request.stop_sequences == () and not request.details and not request.return_full_text
+
+
+def test_all_parameters_are_read():
+    request = parse(
+        {
+            "inputs": ["a", "b"],
+            "parameters": {
+                "max_new_tokens": 5,
+                "do_sample": True,
+                "temperature": 0.5,
+                "top_k": 7,
+                "top_p": 0.9,
+                "repetition_penalty": 1.2,
+                "seed": 3,
+                "stop_sequences": ["\n"],
+                "details": True,
+                "return_full_text": True,
+                "ignore_eos_token": True,
+            },
+        }
+    )
+    assert request.batched and request.inputs == ["a", "b"]
+    assert request.params == GenerationParams(5, True, 0.5, 7, 0.9, 1.2, 3, True)
+    assert request.stop_sequences == ("\n",)
+    assert request.details and request.return_full_text
+
+
+def test_text_plain_body_is_one_input():
+    request = parse_body(b"Tell me a story", "text/plain; charset=utf-8")
+    assert request.inputs == ["Tell me a story"]
+
+
+def test_form_encoded_json_from_curl_is_read_as_json():
+    assert parse({"inputs": "x"}, "application/x-www-form-urlencoded").inputs == ["x"]
+
+
+def test_temperature_zero_means_greedy():
+    request = parse({"inputs": "x", "parameters": {"do_sample": True, "temperature": 0}})
+    assert request.params.do_sample is False
+
+
+def test_integral_floats_are_integers_but_fractions_are_not():
+    assert parse({"inputs": "x", "parameters": {"max_new_tokens": 8.0}}).params.max_new_tokens == 8
+    with pytest.raises(BadRequest) as error:
+        parse({"inputs": "x", "parameters": {"max_new_tokens": 8.5}})
+    assert error.value.field == "parameters.max_new_tokens"
+
+
+def test_unknown_parameters_are_ignored_with_a_warning(caplog):
+    request = parse({"inputs": "x", "parameters": {"best_of": 2}})
+    assert request.params == GenerationParams()
+    assert "best_of" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        (b"\xff\xfe", "body"),
+        ({"inputs": "x", "parameters": {"temperature": float("inf")}}, "parameters.temperature"),
+        ({"inputs": "x", "parameters": {"top_p": True}}, "parameters.top_p"),
+        (
+            {"inputs": "x", "parameters": {"decoder_input_details": True}},
+            "parameters.decoder_input_details",
+        ),
+        ({"inputs": "x", "parameters": {"top_n_tokens": 3}}, "parameters.top_n_tokens"),
+        ({"inputs": "x", "parameters": {"stop_sequences": [""]}}, "parameters.stop_sequences"),
+        ({"inputs": "x", "stream": True}, "stream"),
+        ({"inputs": None}, "inputs"),
+    ],
+)
+def test_bad_values_name_their_field(payload, field):
+    with pytest.raises(BadRequest) as error:
+        parse(payload)
+    assert error.value.field == field
+    assert error.value.status == 400
+
+
+def test_empty_text_plain_body_is_refused():
+    with pytest.raises(BadRequest) as error:
+        parse_body(b"  ", "text/plain")
+    assert error.value.field == "inputs"
