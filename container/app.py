@@ -14,7 +14,7 @@ from flask import Flask, Response, g, jsonify, request
 from lmserve.handlers.request_parsing import BadRequest, parse_body
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from .engine_client import EngineClient
 from .predictor import PredictionError, Predictor
@@ -44,6 +44,11 @@ def create_app(runtime_path: str) -> Flask:
     @app.errorhandler(HTTPException)
     def http_error(error: HTTPException):
         return _error(error.code or 500, error.description or error.name)
+
+    @app.errorhandler(RequestEntityTooLarge)
+    def too_large(_: RequestEntityTooLarge):
+        limit = runtime.config.max_request_size
+        return _error(413, f"request body over max_request_size ({limit} bytes)")
 
     @app.errorhandler(Exception)
     def unexpected_error(error: Exception):

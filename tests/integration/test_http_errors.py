@@ -11,8 +11,8 @@ import requests
 
 from ..servers import Server, write_properties
 
-MAX_MODEL_LEN = 64
-MAX_REQUEST_SIZE = 2000
+MAX_MODEL_LEN = 512
+MAX_REQUEST_SIZE = 8000
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def assert_still_serving(server):
         ({"inputs": "hi", "parameters": {"stop_sequences": [1]}}, "parameters.stop_sequences"),
         ({"inputs": "hi", "parameters": {"details": 1}}, "parameters.details"),
         ({"inputs": "hi", "stream": "yes"}, "stream"),
-        ({"inputs": "word " * 100}, "inputs"),
+        ({"inputs": "word " * 600}, "inputs"),
         ({"inputs": ""}, "inputs"),
     ],
 )
@@ -104,6 +104,7 @@ def test_body_over_the_limit_is_413(server):
     response = post(server, {"inputs": "x" * (MAX_REQUEST_SIZE * 2)})
     assert response.status_code == 413
     assert response.json()["code"] == 413
+    assert "max_request_size" in response.json()["message"]
     assert response.headers["x-request-id"]
     assert_still_serving(server)
 
@@ -121,7 +122,7 @@ def test_model_failure_is_424_and_only_fails_that_request(server):
 
 
 def test_full_job_queue_is_503(server):
-    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 48, "ignore_eos_token": True}}
+    body = {"inputs": "Hello", "parameters": {"max_new_tokens": 400, "ignore_eos_token": True}}
     with ThreadPoolExecutor(16) as pool:
         responses = list(pool.map(lambda _: post(server, body), range(16)))
     statuses = [r.status_code for r in responses]
