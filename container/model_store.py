@@ -68,7 +68,8 @@ def resolve_model(config: ServingConfig, model_dir: Path | None, cache_dir: Path
         return ResolvedModel(_as_hf_dir(local, cache_dir), name, str(local))
     if model_id.startswith(("/", ".")) or model_id.endswith(".gguf"):
         raise ModelStoreError(f"option.model_id={model_id!r}: no such file or directory")
-    return ResolvedModel(_from_hub(model_id, config.revision), name, f"hub {model_id}")
+    snapshot = _from_hub(model_id, config.revision)
+    return ResolvedModel(_as_hf_dir(snapshot, cache_dir), name, f"hub {model_id}")
 
 
 def _holds_model(folder: Path) -> bool:

@@ -54,15 +54,25 @@ def download_s3_folder(url: str, cache_dir: Path) -> Path:
         log.info("downloading %d files (%.1f MB) from %s", len(objects), total / 1e6, url)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"download {url}") as progress:
             for key, _ in objects:
-                target = partial / key[len(prefix) :].lstrip("/")
+                target = _local_path(partial, key[len(prefix) :], url)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 client.download_file(bucket, key, str(target), Callback=progress.update)
-    except (BotoCoreError, ClientError) as error:
+    except (BotoCoreError, ClientError, OSError, S3Error) as error:
         shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(error, S3Error):
+            raise
         raise S3Error(f"option.model_id={url!r}: {error}") from None
     destination.parent.mkdir(parents=True, exist_ok=True)
     os.replace(partial, destination)
     return destination
+
+
+def _local_path(folder: Path, relative_key: str, url: str) -> Path:
+    """Where an object lands; a key that would climb out of the folder (`..`) is refused."""
+    parts = [part for part in relative_key.split("/") if part not in ("", ".")]
+    if ".." in parts or not parts:
+        raise S3Error(f"option.model_id={url!r}: refusing object key {relative_key!r}")
+    return folder.joinpath(*parts)
 
 
 def _list_objects(client, bucket: str, prefix: str) -> list[tuple[str, int]]:

@@ -8,11 +8,14 @@ backslash line continuation (leading whitespace of the next line dropped), and e
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 _SEPARATORS = "=:"
 _WHITESPACE = " \t\f"
 _ESCAPES = {"t": "\t", "n": "\n", "r": "\r", "f": "\f"}
+# Java ends lines only here; str.splitlines() would also split at \f, \v, \x85, \u2028 ...
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
 
 
 class PropertiesSyntaxError(ValueError):
@@ -37,7 +40,7 @@ def _logical_lines(text: str):
     comments. A line continues when it ends in an odd number of backslashes."""
     pending: list[str] = []
     start = 0
-    for number, raw in enumerate(text.splitlines(), start=1):
+    for number, raw in enumerate(_LINE_BREAK.split(text), start=1):
         line = raw.lstrip(_WHITESPACE)
         if not pending:
             if not line or line[0] in "#!":

@@ -1,0 +1,770 @@
+"""load_config: serving.properties + environment -> one validated ServingConfig, with the source
+of every value (lmi-contract.md, "serving.properties" and "Environment")."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import pytest
+from lmserve.properties.config import ConfigError, ResolvedConfig, ServingConfig, load_config
+from lmserve.properties.settings import SETTINGS
+
+CONFIG_LOGGER = "lmserve.properties.config"
+
+
+def write(model_dir: Path, text: str) -> Path:
+    (model_dir / "serving.properties").write_text(text, encoding="utf-8")
+    return model_dir
+
+
+def load(
+    model_dir: Path,
+    text: str | None = None,
+    environ: dict[str, str] | None = None,
+    num_devices: int | None = None,
+) -> ResolvedConfig:
+    if text is not None:
+        write(model_dir, text)
+    return load_config(model_dir, environ or {}, num_devices=num_devices)
+
+
+def problems_of(model_dir: Path, text: str = "", environ=None, num_devices=None) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        load(model_dir, text, environ, num_devices)
+    return caught.value.problems
+
+
+# --- defaults -------------------------------------------------------------------------------
+
+CONTRACT_DEFAULTS = {
+    "engine": "Python",
+    "batch_size": 1,
+    "max_batch_delay": 100,
+    "job_queue_size": 1000,
+    "min_workers": 1,
+    "max_workers": 1,
+    "port": 8080,
+    "max_request_size": 6553500,
+    "model_id": None,  # the model dir itself, decided by the model store
+    "revision": None,
+    "task": "text-generation",
+    "tensor_parallel_degree": 1,
+    "rolling_batch": "disable",
+    "max_rolling_batch_size": 32,
+    "max_rolling_batch_prefill_tokens": 4096,
+    "paged_attention": True,
+    "dtype": "auto",
+    "max_model_len": None,  # the model's max positions
+    "trust_remote_code": False,
+    "entry_point": None,
+    "output_formatter": "json",
+    "tgi_compat": False,
+    "predict_timeout": 120,
+    "model_loading_timeout": 240,
+    "gpu_memory_utilization": 0.9,
+    "enable_prefix_caching": False,
+    "enable_chunked_prefill": False,
+    "quantize": None,
+    "extra_options": {},
+}
+
+
+@pytest.mark.parametrize("with_folder", [False, True])
+def test_defaults_match_the_contract(tmp_path, with_folder):
+    resolved = load_config(tmp_path if with_folder else None, {}, num_devices=4)
+    assert resolved.config.to_dict() == CONTRACT_DEFAULTS
+    assert resolved.config.uses_rolling_batch is False
+
+
+def test_default_sources(tmp_path):
+    sources = load_config(tmp_path, {}).sources
+    assert set(sources) == {setting.key for setting in SETTINGS}
+    assert sources["engine"] == "inferred"
+    assert sources["option.rolling_batch"].startswith("inferred")
+    others = {key: source for key, source in sources.items() if not source.startswith("inferred")}
+    assert len(others) == len(SETTINGS) - 2
+    assert set(others.values()) == {"default"}
+
+
+def test_empty_properties_file_gives_the_defaults(tmp_path):
+    assert load(tmp_path, "# nothing set\n\n").config.to_dict() == CONTRACT_DEFAULTS
+
+
+def test_a_folder_named_serving_properties_is_not_read(tmp_path):
+    (tmp_path / "serving.properties").mkdir()
+    assert load_config(tmp_path, {}).config.to_dict() == CONTRACT_DEFAULTS
+
+
+# --- keys from the file ---------------------------------------------------------------------
+
+
+def test_plain_server_keys_from_the_file(tmp_path):
+    resolved = load(
+        tmp_path,
+        "engine=Python\n"
+        "batch_size=4\n"
+        "max_batch_delay = 250\n"
+        "job_queue_size: 77\n"
+        "minWorkers 2\n"
+        "maxWorkers=3\n"
+        "port=9000\n"
+        "max_request_size=1024\n",
+    )
+    config = resolved.config
+    assert (config.engine, config.batch_size, config.max_batch_delay) == ("Python", 4, 250)
+    assert (config.job_queue_size, config.min_workers, config.max_workers) == (77, 2, 3)
+    assert (config.port, config.max_request_size) == (9000, 1024)
+    assert [resolved.sources[key] for key in ("engine", "minWorkers", "max_request_size")] == [
+        "serving.properties line 1",
+        "serving.properties line 5",
+        "serving.properties line 8",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("line", "field", "value"),
+    [
+        ("option.model_id=s3://bucket/prefix/", "model_id", "s3://bucket/prefix/"),
+        ("option.model_id = org/model  ", "model_id", "org/model"),
+        ("option.revision=abc123", "revision", "abc123"),
+        ("option.task=text2text-generation", "task", "text2text-generation"),
+        ("option.tensor_parallel_degree=1", "tensor_parallel_degree", 1),
+        ("option.rolling_batch=disable", "rolling_batch", "disable"),
+        ("option.max_rolling_batch_size=64", "max_rolling_batch_size", 64),
+        ("option.max_rolling_batch_prefill_tokens=512", "max_rolling_batch_prefill_tokens", 512),
+        ("option.paged_attention=false", "paged_attention", False),
+        ("option.paged_attention=FALSE", "paged_attention", False),
+        ("option.dtype=fp16", "dtype", "fp16"),
+        ("option.dtype=bf16", "dtype", "bf16"),
+        ("option.dtype=fp32", "dtype", "fp32"),
+        ("option.dtype=BF16", "dtype", "bf16"),
+        ("option.dtype=float16", "dtype", "fp16"),
+        ("option.dtype=bfloat16", "dtype", "bf16"),
+        ("option.dtype=float32", "dtype", "fp32"),
+        ("option.max_model_len=2048", "max_model_len", 2048),
+        ("option.trust_remote_code=true", "trust_remote_code", True),
+        ("option.trust_remote_code=True", "trust_remote_code", True),
+        ("option.entryPoint=my_model.py", "entry_point", "my_model.py"),
+        ("option.output_formatter=jsonlines", "output_formatter", "jsonlines"),
+        ("option.output_formatter=sse", "output_formatter", "sse"),
+        ("option.output_formatter=my_formatter", "output_formatter", "my_formatter"),
+        ("option.tgi_compat=true", "tgi_compat", True),
+        ("option.predict_timeout=30", "predict_timeout", 30),
+        ("option.model_loading_timeout=1200", "model_loading_timeout", 1200),
+        ("option.gpu_memory_utilization=0.5", "gpu_memory_utilization", 0.5),
+        ("option.gpu_memory_utilization=1", "gpu_memory_utilization", 1.0),
+        ("option.enable_prefix_caching=true", "enable_prefix_caching", True),
+        ("option.enable_chunked_prefill=true", "enable_chunked_prefill", True),
+        ("option.quantize=", "quantize", None),
+        ("batch_size = 2   ", "batch_size", 2),  # trailing spaces around numbers are fine
+    ],
+)
+def test_option_keys_reach_their_field_with_the_prefix_stripped(tmp_path, line, field, value):
+    resolved = load(tmp_path, "# header\n" + line + "\n")
+    assert getattr(resolved.config, field) == value
+    assert resolved.sources[line.split("=")[0].strip()] == "serving.properties line 2"
+    assert resolved.config.extra_options == {}
+
+
+def test_engine_and_rolling_batch_names_are_case_insensitive(tmp_path):
+    config = load(tmp_path, "engine=mpi\noption.rolling_batch=LMI-DIST\n").config
+    assert (config.engine, config.rolling_batch) == ("MPI", "lmi-dist")
+    assert load(tmp_path, "engine=python\n").config.engine == "Python"
+
+
+def test_unknown_option_is_kept_with_a_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger=CONFIG_LOGGER):
+        resolved = load(tmp_path, "option.dtype=fp16\noption.my_custom_flag = on and off\n")
+    assert resolved.config.extra_options == {"my_custom_flag": "on and off"}
+    assert resolved.sources["option.my_custom_flag"] == "serving.properties line 2"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "option.my_custom_flag" in warnings[0] and "on and off" in warnings[0]
+    assert "serving.properties line 2" in warnings[0]
+
+
+def test_unknown_option_keeps_its_raw_text(tmp_path):
+    resolved = load(tmp_path, "option.prompt_prefix = You are  helpful.  \n")
+    assert resolved.config.extra_options == {"prompt_prefix": "You are  helpful.  "}
+
+
+def test_unknown_plain_key_is_ignored_with_a_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger=CONFIG_LOGGER):
+        resolved = load(tmp_path, "batch_size=2\nfancy_server_knob=7\n")
+    assert resolved.config.batch_size == 2
+    assert resolved.config.extra_options == {}
+    assert "fancy_server_knob" not in resolved.sources
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("fancy_server_knob" in message for message in warnings)
+
+
+def test_known_keys_give_no_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger=CONFIG_LOGGER):
+        load(tmp_path, "engine=MPI\noption.dtype=bf16\n", {"OPTION_MAX_MODEL_LEN": "1024"})
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_duplicate_key_the_later_line_wins(tmp_path):
+    resolved = load(tmp_path, "batch_size=2\nport=1\nbatch_size=3\n")
+    assert resolved.config.batch_size == 3
+    assert resolved.sources["batch_size"] == "serving.properties line 3"
+
+
+def test_continued_and_escaped_values_reach_the_config(tmp_path):
+    resolved = load(
+        tmp_path,
+        "# model\n"
+        "option.model_id = s3://my-bucket/\\\n"
+        "                  models/llama/\n"
+        "option.entryPoint=\\u006dodel.py\n",
+    )
+    assert resolved.config.model_id == "s3://my-bucket/models/llama/"
+    assert resolved.config.entry_point == "model.py"
+    assert resolved.sources["option.model_id"] == "serving.properties line 2"
+    assert resolved.sources["option.entryPoint"] == "serving.properties line 4"
+
+
+def test_syntax_error_in_the_file_is_a_config_error_naming_file_and_line(tmp_path):
+    problems = problems_of(tmp_path, "engine=MPI\noption.dtype=\\u00zz\n")
+    assert len(problems) == 1
+    assert "serving.properties" in problems[0] and "line 2" in problems[0]
+
+
+# --- environment ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "field", "value", "key"),
+    [
+        ("OPTION_MAX_ROLLING_BATCH_SIZE", "48", "max_rolling_batch_size", 48, None),
+        ("OPTION_DTYPE", "fp16", "dtype", "fp16", None),
+        ("OPTION_MODEL_ID", "org/model", "model_id", "org/model", None),
+        ("OPTION_TRUST_REMOTE_CODE", "true", "trust_remote_code", True, None),
+        ("OPTION_ENTRYPOINT", "custom.py", "entry_point", "custom.py", "option.entryPoint"),
+        ("OPTION_ENGINE", "MPI", "engine", "MPI", "engine"),
+        ("SERVING_MIN_WORKERS", "1", "min_workers", 1, "minWorkers"),
+        ("SERVING_MAX_WORKERS", "4", "max_workers", 4, "maxWorkers"),
+        ("SERVING_JOB_QUEUE_SIZE", "10", "job_queue_size", 10, "job_queue_size"),
+        ("SERVING_BATCH_SIZE", "8", "batch_size", 8, "batch_size"),
+        ("SERVING_MAX_BATCH_DELAY", "5", "max_batch_delay", 5, "max_batch_delay"),
+        ("SERVING_PORT", "8443", "port", 8443, "port"),
+        ("HF_MODEL_ID", "org/model", "model_id", "org/model", "option.model_id"),
+        ("HF_REVISION", "v2", "revision", "v2", "option.revision"),
+        ("HF_TASK", "text2text-generation", "task", "text2text-generation", "option.task"),
+        ("MAX_BATCH_SIZE", "16", "max_rolling_batch_size", 16, None),
+        ("MAX_BATCH_PREFILL_TOKENS", "1000", "max_rolling_batch_prefill_tokens", 1000, None),
+        ("MAX_CONCURRENT_REQUESTS", "64", "job_queue_size", 64, "job_queue_size"),
+        ("HF_MODEL_TRUST_REMOTE_CODE", "true", "trust_remote_code", True, None),
+    ],
+)
+def test_environment_variable_sets_its_key(tmp_path, name, text, field, value, key):
+    resolved = load_config(tmp_path, {name: text}, num_devices=4)
+    assert getattr(resolved.config, field) == value
+    key = key or "option." + field
+    assert resolved.sources[key] == f"env {name}"
+    assert resolved.config.extra_options == {}
+
+
+@pytest.mark.parametrize("name", ["TENSOR_PARALLEL_DEGREE", "SM_NUM_GPUS"])
+def test_tensor_parallel_degree_from_lmi_and_sagemaker_names(name):
+    resolved = load_config(None, {name: "2"}, num_devices=4)
+    assert resolved.config.tensor_parallel_degree == 2
+    assert resolved.config.engine == "MPI"  # more than one rank needs the MPI engine
+    assert resolved.sources["option.tensor_parallel_degree"] == f"env {name}"
+
+
+def test_hf_model_id_alone_deploys_without_a_properties_file():
+    resolved = load_config(
+        None, {"HF_MODEL_ID": "HuggingFaceTB/SmolLM2-135M", "HF_REVISION": "main"}
+    )
+    assert resolved.config.model_id == "HuggingFaceTB/SmolLM2-135M"
+    assert resolved.config.revision == "main"
+    assert resolved.sources["option.model_id"] == "env HF_MODEL_ID"
+
+
+def test_unknown_option_env_is_kept_lower_cased(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger=CONFIG_LOGGER):
+        resolved = load_config(tmp_path, {"OPTION_FOO_BAR": "Baz"})
+    assert resolved.config.extra_options == {"foo_bar": "Baz"}
+    assert resolved.sources["option.foo_bar"] == "env OPTION_FOO_BAR"
+    assert any("option.foo_bar" in r.getMessage() for r in caplog.records)
+
+
+def test_option_engine_is_the_engine_not_an_option(tmp_path):
+    resolved = load_config(tmp_path, {"OPTION_ENGINE": "MPI"})
+    assert resolved.config.engine == "MPI"
+    assert resolved.config.rolling_batch == "auto"
+    assert "engine" not in resolved.config.extra_options
+
+
+def test_unrelated_environment_variables_are_ignored(tmp_path, caplog):
+    environ = {
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+        "SERVING_UNRELATED_TOOL": "x",
+        "SERVING_": "y",
+        "OPTION_": "z",
+        "BATCH_SIZE": "9",
+        "DTYPE": "fp8",
+    }
+    with caplog.at_level(logging.WARNING, logger=CONFIG_LOGGER):
+        resolved = load_config(tmp_path, environ)
+    assert resolved.config.to_dict() == CONTRACT_DEFAULTS
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+# --- precedence -----------------------------------------------------------------------------
+
+
+def test_file_wins_over_option_env(tmp_path):
+    resolved = load(
+        tmp_path,
+        "option.max_rolling_batch_size=8\n",
+        {"OPTION_MAX_ROLLING_BATCH_SIZE": "16", "MAX_BATCH_SIZE": "24"},
+    )
+    assert resolved.config.max_rolling_batch_size == 8
+    assert resolved.sources["option.max_rolling_batch_size"] == "serving.properties line 1"
+
+
+def test_file_wins_over_serving_env(tmp_path):
+    resolved = load(
+        tmp_path,
+        "\njob_queue_size=5\n",
+        {"SERVING_JOB_QUEUE_SIZE": "50", "MAX_CONCURRENT_REQUESTS": "500"},
+    )
+    assert resolved.config.job_queue_size == 5
+    assert resolved.sources["job_queue_size"] == "serving.properties line 2"
+
+
+def test_file_wins_over_option_engine(tmp_path):
+    resolved = load(tmp_path, "engine=Python\n", {"OPTION_ENGINE": "MPI"})
+    assert resolved.config.engine == "Python"
+    assert resolved.sources["engine"] == "serving.properties line 1"
+
+
+def test_file_wins_over_named_lmi_variables(tmp_path):
+    resolved = load(
+        tmp_path,
+        "option.model_id=/opt/ml/model/llama\noption.tensor_parallel_degree=1\n",
+        {"HF_MODEL_ID": "org/other", "TENSOR_PARALLEL_DEGREE": "4", "SM_NUM_GPUS": "8"},
+        num_devices=8,
+    )
+    assert resolved.config.model_id == "/opt/ml/model/llama"
+    assert resolved.config.tensor_parallel_degree == 1
+    assert resolved.config.engine == "Python"
+
+
+@pytest.mark.parametrize(
+    ("option_name", "named", "key", "field"),
+    [
+        ("OPTION_MODEL_ID", "HF_MODEL_ID", "option.model_id", "model_id"),
+        ("OPTION_REVISION", "HF_REVISION", "option.revision", "revision"),
+        ("OPTION_TASK", "HF_TASK", "option.task", "task"),
+    ],
+)
+def test_option_env_wins_over_named_lmi_variable(option_name, named, key, field):
+    resolved = load_config(None, {option_name: "from-option", named: "from-named"})
+    assert getattr(resolved.config, field) == "from-option"
+    assert resolved.sources[key] == f"env {option_name}"
+
+
+def test_option_env_wins_over_tensor_parallel_degree_and_sm_num_gpus():
+    environ = {
+        "OPTION_TENSOR_PARALLEL_DEGREE": "2",
+        "TENSOR_PARALLEL_DEGREE": "4",
+        "SM_NUM_GPUS": "8",
+    }
+    resolved = load_config(None, environ, num_devices=8)
+    assert resolved.config.tensor_parallel_degree == 2
+    assert resolved.sources["option.tensor_parallel_degree"] == "env OPTION_TENSOR_PARALLEL_DEGREE"
+
+
+def test_lmi_name_wins_over_sagemaker_alias():
+    resolved = load_config(None, {"TENSOR_PARALLEL_DEGREE": "2", "SM_NUM_GPUS": "4"}, 4)
+    assert resolved.config.tensor_parallel_degree == 2
+    assert resolved.sources["option.tensor_parallel_degree"] == "env TENSOR_PARALLEL_DEGREE"
+
+
+@pytest.mark.parametrize(
+    ("lmi_name", "tgi_name", "field", "key"),
+    [
+        (
+            "OPTION_MAX_ROLLING_BATCH_SIZE",
+            "MAX_BATCH_SIZE",
+            "max_rolling_batch_size",
+            "option.max_rolling_batch_size",
+        ),
+        (
+            "OPTION_MAX_ROLLING_BATCH_PREFILL_TOKENS",
+            "MAX_BATCH_PREFILL_TOKENS",
+            "max_rolling_batch_prefill_tokens",
+            "option.max_rolling_batch_prefill_tokens",
+        ),
+        ("SERVING_JOB_QUEUE_SIZE", "MAX_CONCURRENT_REQUESTS", "job_queue_size", "job_queue_size"),
+    ],
+)
+def test_lmi_env_wins_over_tgi_alias(lmi_name, tgi_name, field, key):
+    resolved = load_config(None, {lmi_name: "11", tgi_name: "99"})
+    assert getattr(resolved.config, field) == 11
+    assert resolved.sources[key] == f"env {lmi_name}"
+
+
+def test_option_trust_remote_code_wins_over_hf_model_trust_remote_code():
+    environ = {"OPTION_TRUST_REMOTE_CODE": "false", "HF_MODEL_TRUST_REMOTE_CODE": "true"}
+    resolved = load_config(None, environ)
+    assert resolved.config.trust_remote_code is False
+    assert resolved.sources["option.trust_remote_code"] == "env OPTION_TRUST_REMOTE_CODE"
+
+
+def test_empty_lmi_name_counts_as_unset():
+    resolved = load_config(None, {"TENSOR_PARALLEL_DEGREE": "", "SM_NUM_GPUS": "2"}, 2)
+    assert resolved.config.tensor_parallel_degree == 2
+    assert resolved.sources["option.tensor_parallel_degree"] == "env SM_NUM_GPUS"
+    assert load_config(None, {"HF_MODEL_ID": ""}).config.model_id is None
+
+
+def test_every_source_at_once(tmp_path):
+    resolved = load(
+        tmp_path,
+        "engine=MPI\n",
+        {
+            "OPTION_DTYPE": "bf16",
+            "HF_MODEL_ID": "org/m",
+            "MAX_BATCH_SIZE": "12",
+            "SERVING_MAX_WORKERS": "1",
+        },
+    )
+    assert resolved.sources["engine"] == "serving.properties line 1"
+    assert resolved.sources["option.dtype"] == "env OPTION_DTYPE"
+    assert resolved.sources["option.model_id"] == "env HF_MODEL_ID"
+    assert resolved.sources["option.max_rolling_batch_size"] == "env MAX_BATCH_SIZE"
+    assert resolved.sources["maxWorkers"] == "env SERVING_MAX_WORKERS"
+    assert resolved.sources["option.rolling_batch"].startswith("inferred")
+    assert resolved.sources["batch_size"] == "default"
+
+
+# --- engine / rolling batch inference -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "num_devices", "engine", "rolling_batch", "engine_source"),
+    [
+        ("", 1, "Python", "disable", "inferred"),
+        ("option.rolling_batch=auto\n", 1, "MPI", "auto", "inferred"),
+        ("option.rolling_batch=vllm\n", 1, "MPI", "vllm", "inferred"),
+        ("option.rolling_batch=scheduler\n", 1, "MPI", "scheduler", "inferred"),
+        ("option.rolling_batch=lmi-dist\n", 1, "MPI", "lmi-dist", "inferred"),
+        ("option.rolling_batch=disable\n", 1, "Python", "disable", "inferred"),
+        ("option.tensor_parallel_degree=2\n", 2, "MPI", "auto", "inferred"),
+        ("option.tensor_parallel_degree=1\n", 2, "Python", "disable", "inferred"),
+        ("option.tensor_parallel_degree=max\n", 4, "MPI", "auto", "inferred"),
+        ("option.tensor_parallel_degree=max\n", 1, "Python", "disable", "inferred"),
+        ("engine=MPI\n", 1, "MPI", "auto", "serving.properties line 1"),
+        ("engine=Python\n", 1, "Python", "disable", "serving.properties line 1"),
+        ("engine=MPI\noption.rolling_batch=vllm\n", 1, "MPI", "vllm", "serving.properties line 1"),
+    ],
+)
+def test_engine_and_rolling_batch_inference(
+    tmp_path, text, num_devices, engine, rolling_batch, engine_source
+):
+    resolved = load(tmp_path, text, num_devices=num_devices)
+    assert (resolved.config.engine, resolved.config.rolling_batch) == (engine, rolling_batch)
+    assert resolved.config.uses_rolling_batch == (rolling_batch != "disable")
+    assert resolved.sources["engine"] == engine_source
+
+
+def test_inferred_rolling_batch_says_so(tmp_path):
+    sources = load(tmp_path, "engine=MPI\n").sources
+    assert sources["option.rolling_batch"].startswith("inferred")
+    sources = load(tmp_path, "option.rolling_batch=auto\n").sources
+    assert sources["option.rolling_batch"] == "serving.properties line 1"
+    assert sources["engine"] == "inferred"
+
+
+@pytest.mark.parametrize(("num_devices", "expected"), [(8, 8), (2, 2), (1, 1), (None, 1)])
+def test_tensor_parallel_degree_max_is_the_device_count(tmp_path, num_devices, expected):
+    resolved = load(tmp_path, "option.tensor_parallel_degree=MAX\n", num_devices=num_devices)
+    assert resolved.config.tensor_parallel_degree == expected
+    assert resolved.sources["option.tensor_parallel_degree"] == "serving.properties line 1"
+
+
+def test_tensor_parallel_degree_is_unchecked_without_a_device_count(tmp_path):
+    assert load(tmp_path, "option.tensor_parallel_degree=64\n").config.tensor_parallel_degree == 64
+
+
+def test_tensor_parallel_degree_equal_to_device_count_is_fine(tmp_path):
+    config = load(tmp_path, "option.tensor_parallel_degree=4\n", num_devices=4).config
+    assert config.tensor_parallel_degree == 4
+
+
+def test_equal_min_and_max_workers_are_fine(tmp_path):
+    config = load(tmp_path, "minWorkers=3\nmaxWorkers=3\n").config
+    assert (config.min_workers, config.max_workers) == (3, 3)
+
+
+# --- validation -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "num_devices", "fragments"),
+    [
+        # wrong int / int below minimum
+        ("batch_size=two", None, ["batch_size='two'", "line 1", "an integer >= 1"]),
+        ("batch_size=2.5", None, ["batch_size='2.5'", "an integer >= 1"]),
+        ("batch_size=0", None, ["batch_size='0'", "an integer >= 1"]),
+        ("max_batch_delay=-1", None, ["max_batch_delay='-1'", "an integer >= 0"]),
+        ("job_queue_size=", None, ["job_queue_size=''", "an integer >= 1"]),
+        ("port=http", None, ["port='http'", "an integer"]),
+        ("maxWorkers=0", None, ["maxWorkers='0'", "an integer >= 1"]),
+        (
+            "option.max_rolling_batch_size=lots",
+            None,
+            ["option.max_rolling_batch_size='lots'", "an integer >= 1"],
+        ),
+        (
+            "option.max_rolling_batch_prefill_tokens=-5",
+            None,
+            ["option.max_rolling_batch_prefill_tokens='-5'", "an integer >= 1"],
+        ),
+        ("option.max_model_len=0", None, ["option.max_model_len='0'", "an integer >= 1"]),
+        ("option.predict_timeout=1m", None, ["option.predict_timeout='1m'", "an integer >= 1"]),
+        (
+            "option.tensor_parallel_degree=all",
+            None,
+            ["option.tensor_parallel_degree='all'", "an integer >= 1", '"max"'],
+        ),
+        (
+            "option.tensor_parallel_degree=0",
+            None,
+            ["option.tensor_parallel_degree='0'", "an integer >= 1", '"max"'],
+        ),
+        # bad bool
+        ("option.paged_attention=yes", None, ["option.paged_attention='yes'", "true or false"]),
+        ("option.trust_remote_code=1", None, ["option.trust_remote_code='1'", "true or false"]),
+        ("option.tgi_compat=on", None, ["option.tgi_compat='on'", "true or false"]),
+        # bad enum
+        ("engine=TensorRT", None, ["engine='TensorRT'", "one of Python, MPI"]),
+        ("option.dtype=fp8", None, ["option.dtype='fp8'", "one of fp32, fp16, bf16, auto"]),
+        ("option.dtype=int8", None, ["option.dtype='int8'", "fp32", "fp16", "bf16", "auto"]),
+        (
+            "option.rolling_batch=trtllm",
+            None,
+            [
+                "option.rolling_batch='trtllm'",
+                "one of auto, scheduler, lmi-dist, vllm, disable",
+            ],
+        ),
+        # bad float range
+        (
+            "option.gpu_memory_utilization=1.5",
+            None,
+            ["option.gpu_memory_utilization='1.5'", "a number in (0.0, 1.0]"],
+        ),
+        (
+            "option.gpu_memory_utilization=0",
+            None,
+            ["option.gpu_memory_utilization='0'", "a number in (0.0, 1.0]"],
+        ),
+        (
+            "option.gpu_memory_utilization=-0.1",
+            None,
+            ["option.gpu_memory_utilization='-0.1'", "(0.0, 1.0]"],
+        ),
+        (
+            "option.gpu_memory_utilization=ninety",
+            None,
+            ["option.gpu_memory_utilization='ninety'", "(0.0, 1.0]"],
+        ),
+        ("option.gpu_memory_utilization=nan", None, ["'nan'", "(0.0, 1.0]"]),
+        # bad output formatter
+        (
+            "option.output_formatter=json-lines",
+            None,
+            ["option.output_formatter='json-lines'", "json, jsonlines, sse", "model.py"],
+        ),
+        ("option.output_formatter=", None, ["option.output_formatter=''", "jsonlines"]),
+        # quantize is refused, not ignored
+        ("option.quantize=awq", None, ["option.quantize='awq'", "unquantized"]),
+        ("option.quantize=bitsandbytes", None, ["option.quantize='bitsandbytes'", "unset"]),
+        # impossible combinations
+        (
+            "option.tensor_parallel_degree=4",
+            2,
+            ["option.tensor_parallel_degree=4", "2 device", "an integer <= 2", '"max"'],
+        ),
+        (
+            "engine=Python\noption.rolling_batch=auto",
+            None,
+            ["option.rolling_batch='auto'", "engine=Python", "disable", "engine=MPI"],
+        ),
+        (
+            "engine=Python\noption.rolling_batch=vllm",
+            None,
+            ["option.rolling_batch='vllm'", "engine=Python"],
+        ),
+        (
+            "engine=Python\noption.tensor_parallel_degree=2",
+            2,
+            ["option.tensor_parallel_degree=2", "engine=Python", "expected 1", "engine=MPI"],
+        ),
+        (
+            "engine=MPI\noption.rolling_batch=disable",
+            None,
+            ["option.rolling_batch='disable'", "engine=MPI", "auto"],
+        ),
+        (
+            "batch_size=4\noption.rolling_batch=auto",
+            None,
+            ["batch_size=4", "option.rolling_batch='auto'", "batch_size=1"],
+        ),
+        (
+            "batch_size=2\nengine=MPI",
+            None,
+            ["batch_size=2", "rolling_batch='auto'", "batch_size=1"],
+        ),
+        (
+            "minWorkers=3\nmaxWorkers=2",
+            None,
+            ["minWorkers=3", "maxWorkers=2", "minWorkers <= maxWorkers"],
+        ),
+    ],
+)
+def test_each_invalid_setting_is_one_problem_naming_key_value_and_allowed(
+    tmp_path, text, num_devices, fragments
+):
+    problems = problems_of(tmp_path, text + "\n", num_devices=num_devices)
+    assert len(problems) == 1, problems
+    for fragment in fragments:
+        assert fragment in problems[0]
+
+
+@pytest.mark.parametrize(
+    ("environ", "fragments"),
+    [
+        ({"OPTION_DTYPE": "fp8"}, ["option.dtype='fp8'", "env OPTION_DTYPE", "bf16"]),
+        ({"SERVING_BATCH_SIZE": "x"}, ["batch_size='x'", "env SERVING_BATCH_SIZE", "integer"]),
+        ({"SM_NUM_GPUS": "eight"}, ["option.tensor_parallel_degree='eight'", "env SM_NUM_GPUS"]),
+        ({"MAX_BATCH_SIZE": "0"}, ["option.max_rolling_batch_size='0'", "env MAX_BATCH_SIZE"]),
+        (
+            {"HF_MODEL_TRUST_REMOTE_CODE": "yes"},
+            ["option.trust_remote_code='yes'", "env HF_MODEL_TRUST_REMOTE_CODE", "true or false"],
+        ),
+        (
+            {"HF_MODEL_QUANTIZE": "gptq"},
+            ["option.quantize='gptq'", "env HF_MODEL_QUANTIZE", "unquantized"],
+        ),
+        ({"OPTION_ENGINE": "Rust"}, ["engine='Rust'", "env OPTION_ENGINE", "Python, MPI"]),
+    ],
+)
+def test_invalid_environment_values_name_the_variable(environ, fragments):
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, environ)
+    assert len(caught.value.problems) == 1
+    for fragment in fragments:
+        assert fragment in caught.value.problems[0]
+
+
+def test_tensor_parallel_degree_above_devices_from_environment(tmp_path):
+    problems = problems_of(tmp_path, environ={"SM_NUM_GPUS": "8"}, num_devices=4)
+    assert len(problems) == 1
+    assert "option.tensor_parallel_degree=8" in problems[0] and "4 device" in problems[0]
+
+
+def test_every_problem_is_reported_in_one_error(tmp_path):
+    text = (
+        "batch_size=x\n"
+        "option.dtype=fp8\n"
+        "option.paged_attention=maybe\n"
+        "option.gpu_memory_utilization=2\n"
+        "minWorkers=5\n"
+        "maxWorkers=2\n"
+        "option.tensor_parallel_degree=16\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path, text, {"OPTION_OUTPUT_FORMATTER": "not valid"}, num_devices=8)
+    problems = caught.value.problems
+    expected = [
+        "batch_size='x' (serving.properties line 1)",
+        "option.dtype='fp8' (serving.properties line 2)",
+        "option.paged_attention='maybe' (serving.properties line 3)",
+        "option.gpu_memory_utilization='2' (serving.properties line 4)",
+        "option.output_formatter='not valid' (env OPTION_OUTPUT_FORMATTER)",
+        "minWorkers=5 > maxWorkers=2",
+        "option.tensor_parallel_degree=16",
+    ]
+    assert len(problems) == len(expected), problems
+    for fragment in expected:
+        assert sum(fragment in problem for problem in problems) == 1, fragment
+    message = str(caught.value)
+    assert all(problem in message for problem in problems)
+    assert message.count("\n") == len(problems)  # one problem per line
+
+
+def test_config_error_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError):
+        load(tmp_path, "batch_size=-3\n")
+
+
+def test_bad_value_and_impossible_combination_are_both_reported(tmp_path):
+    problems = problems_of(tmp_path, "engine=Python\noption.rolling_batch=auto\nport=x\n")
+    assert len(problems) == 2
+    assert any("port='x'" in p for p in problems)
+    assert any("option.rolling_batch='auto'" in p and "engine=Python" in p for p in problems)
+
+
+# --- the ServingConfig object ---------------------------------------------------------------
+
+
+def test_round_trip_through_dict(tmp_path):
+    config = load(
+        tmp_path,
+        "engine=MPI\noption.dtype=bf16\noption.model_id=org/m\noption.custom=1\n",
+        {"OPTION_MAX_MODEL_LEN": "2048"},
+    ).config
+    as_dict = config.to_dict()
+    assert as_dict["extra_options"] == {"custom": "1"}
+    assert as_dict["max_model_len"] == 2048
+    again = ServingConfig.from_dict(as_dict)
+    assert again == config
+    assert again.to_dict() == as_dict
+
+
+def test_from_dict_builds_the_config_given():
+    values = dict(CONTRACT_DEFAULTS, engine="MPI", rolling_batch="vllm", extra_options={"a": "b"})
+    config = ServingConfig.from_dict(values)
+    assert config.engine == "MPI" and config.uses_rolling_batch
+    assert config.extra_options == {"a": "b"}
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(TypeError):
+        ServingConfig.from_dict(dict(CONTRACT_DEFAULTS, no_such_field=1))
+
+
+def test_to_dict_is_a_copy(tmp_path):
+    config = load(tmp_path, "option.custom=1\n").config
+    as_dict = config.to_dict()
+    as_dict["batch_size"] = 99
+    as_dict["extra_options"]["custom"] = "changed"
+    assert config.batch_size == 1
+    assert config.extra_options == {"custom": "1"}
+
+
+@pytest.mark.parametrize(
+    "field", ["engine", "batch_size", "extra_options", "tensor_parallel_degree"]
+)
+def test_config_is_frozen(field):
+    config = load_config(None, {}).config
+    before = getattr(config, field)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(config, field, "changed")
+    assert getattr(config, field) == before
+
+
+# --- form feed is Java whitespace ----------------------------
+
+
+def test_form_feed_separated_key_and_value(tmp_path):
+    assert load(tmp_path, "engine\fMPI\n").config.engine == "MPI"
