@@ -49,6 +49,12 @@ def serve(args: argparse.Namespace) -> int:
     problems = unsupported_settings(config)
     if problems:
         raise ConfigError(problems)
+    if config.max_workers > 1:
+        log.warning(
+            "maxWorkers=%d: lmserve runs one engine process; on these cores more copies would"
+            " only compete (raise batch_size instead)",
+            config.max_workers,
+        )
     model = resolve_model(config, model_dir, default_cache_dir())
     port = args.port if args.port is not None else config.port
     log.info(
