@@ -19,7 +19,7 @@ from lmserve.rolling_batch.protocol import GenerationParams
 from lmserve.rolling_batch.runtime import Runtime, write_state
 
 from .dynamic_batcher import DynamicBatcher, PendingRequest
-from .hf_engine import Generation, HFEngine
+from .hf_engine import HFEngine
 
 log = logging.getLogger("lmserve.engine")
 
@@ -82,7 +82,9 @@ class PythonEngineLoop:
         elif op == protocol.OP_ABORT:
             self.batcher.remove(request_id)
         elif op == protocol.OP_STATS:
-            self._send(identity, {"kind": protocol.KIND_STATS, "id": request_id, **self.stats()})
+            self._send(
+                identity, {"kind": protocol.KIND_STATS, "id": request_id, "stats": self.stats()}
+            )
 
     def stats(self) -> dict:
         return {
@@ -93,7 +95,7 @@ class PythonEngineLoop:
 
     def _run_batch(self, batch: list[PendingRequest]) -> None:
         try:
-            results = self._generate(batch)
+            results = self.engine.generate([r.prompt_ids for r in batch], [r.params for r in batch])
         except Exception as error:  # noqa: BLE001 - any model failure answers, never crashes
             if len(batch) == 1:
                 self._fail(batch[0], error)
@@ -114,9 +116,6 @@ class PythonEngineLoop:
                     len(batch),
                 ),
             )
-
-    def _generate(self, batch: list[PendingRequest]) -> list[Generation]:
-        return self.engine.generate([r.prompt_ids for r in batch], [r.params for r in batch])
 
     def _fail(self, request: PendingRequest, error: Exception) -> None:
         self.num_failed += 1
