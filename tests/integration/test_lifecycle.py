@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
 
-from ..servers import Server, write_properties
+from ..servers import Server, command_line, write_properties
 
 
 def tiny_folder(tmp_path, tiny_model_dir, **extra):
@@ -53,8 +55,28 @@ def test_ping_is_503_while_loading_then_200(tmp_path, tiny_model_dir):
 def test_signal_stops_everything(tmp_path, tiny_model_dir, signum):
     server = Server(tiny_folder(tmp_path, tiny_model_dir))
     server.wait_healthy()
-    assert server.engine_pid()
+    # The engine's last argument is runtime.json inside the private IPC directory.
+    ipc_dir = Path(command_line(server.engine_pid()).split()[-1]).parent
+    assert stat.S_IMODE(ipc_dir.stat().st_mode) == 0o700
+    assert (ipc_dir / "engine.sock").exists()
     assert server.stop(signum) == 0, server.log()
+    assert not ipc_dir.exists()
+
+
+def test_start_up_log_names_engine_dtype_device_batching_and_source(tmp_path, tiny_model_dir):
+    server = Server(tiny_folder(tmp_path, tiny_model_dir, batch_size=3, max_batch_delay=7))
+    server.wait_healthy()
+    assert server.stop() == 0
+    log = server.log()
+    for fragment in (
+        "engine=Python",
+        "dtype=float32",
+        "device=cpu",
+        "batch_size=3",
+        "max_batch_delay=7 ms",
+        f"from {tiny_model_dir}",
+    ):
+        assert fragment in log, fragment
 
 
 def test_engine_death_answers_waiting_clients_and_exits_nonzero(tmp_path, tiny_model_dir):
