@@ -86,7 +86,11 @@ class Supervisor:
                 log.error("the HTTP server exited with code %s", self.http.returncode)
                 return 1
             if self.engine.poll() is not None:
-                return self._engine_failed(f"engine exited with code {self.engine.returncode}")
+                reason = f"engine exited with code {self.engine.returncode}"
+                engine_state = read_state(self.runtime)
+                if engine_state["state"] == protocol.STATE_FAILED:
+                    reason = f"{engine_state['reason']}; {reason}"
+                return self._engine_failed(reason)
             state = read_state(self.runtime)["state"]
             if state == protocol.STATE_READY and not announced_ready:
                 log.info("ready: http://%s:%d/invocations", self.host, self.port)

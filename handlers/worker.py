@@ -137,7 +137,12 @@ def main(argv: list[str] | None = None) -> None:
     runtime = Runtime.read(args.runtime)
     config = runtime.config
     started = time.monotonic()
-    engine = HFEngine.load(runtime.model_path, config.dtype, config.trust_remote_code)
+    try:
+        engine = HFEngine.load(runtime.model_path, config.dtype, config.trust_remote_code)
+    except Exception as error:
+        # /ping and the supervisor show why, not just an exit code.
+        write_state(runtime, protocol.STATE_FAILED, f"model failed to load: {error!r}"[:2000])
+        raise
     log.info(
         "engine=Python model %s loaded in %.1f s: dtype=%s device=%s batch_size=%d"
         " max_batch_delay=%d ms job_queue_size=%d",

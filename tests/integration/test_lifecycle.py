@@ -5,6 +5,7 @@ server non-zero, and a bad configuration stops start-up with a message, not a tr
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -138,3 +139,22 @@ def test_bad_configuration_stops_start_up_with_every_problem_named(tmp_path):
     for fragment in ("engine='Rust'", "batch_size='four'", "option.dtype='int3'", "fp32"):
         assert fragment in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_model_that_fails_to_load_says_why(tmp_path, tiny_model_dir):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    server = Server(tiny_folder(tmp_path, broken))
+    reasons = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and server.process.poll() is None:
+        try:
+            ping = requests.get(f"{server.url}/ping", timeout=2)
+            if ping.status_code == 500:
+                reasons.append(ping.json()[broken.name]["reason"])
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.1)
+    assert server.stop() == 1
+    assert reasons and "model failed to load" in reasons[0]
