@@ -12,10 +12,11 @@ import queue
 import uuid
 
 from flask import Flask, Response, g, jsonify, request
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+
 from lmserve.handlers.request_parsing import BadRequest, parse_body
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from .engine_client import EngineClient
 from .predictor import PredictionError, Predictor

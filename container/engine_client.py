@@ -15,6 +15,7 @@ import threading
 import time
 
 import zmq
+
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime, read_state
 

@@ -10,8 +10,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from lmserve.rolling_batch.protocol import GenerationParams
 from transformers import AutoModelForCausalLM, GenerationConfig
+
+from lmserve.rolling_batch.protocol import GenerationParams
 
 log = logging.getLogger(__name__)
 

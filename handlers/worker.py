@@ -14,6 +14,7 @@ from collections import Counter
 
 import torch
 import zmq
+
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.protocol import GenerationParams
 from lmserve.rolling_batch.runtime import Runtime, write_state

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from lmserve.container.model_store import EMBEDDED_NAME, ModelStoreError, resolve_model
 from lmserve.properties.config import ServingConfig, load_config
 

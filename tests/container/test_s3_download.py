@@ -7,6 +7,7 @@ from pathlib import Path
 
 import boto3
 import pytest
+
 from lmserve.container.s3_download import S3Error, download_s3_folder, s3_cache_path
 
 from .s3_server import folder_contents, upload_folder

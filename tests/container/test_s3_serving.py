@@ -4,6 +4,7 @@ S3-compatible endpoint (AWS_ENDPOINT_URL), serves it, and reuses the download on
 from __future__ import annotations
 
 import requests
+
 from lmserve.container.s3_download import s3_cache_path
 
 from ..servers import Server, write_properties

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lmserve.handlers.hf_engine import HFEngine, resolve_dtype
 from lmserve.rolling_batch.protocol import GenerationParams
 

@@ -4,6 +4,7 @@ details and the TGI shape."""
 from __future__ import annotations
 
 import pytest
+
 from lmserve.handlers.outputs import complete, shape_response, to_json
 from lmserve.handlers.tokenizer import Tokenizer
 

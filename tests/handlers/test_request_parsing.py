@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from lmserve.handlers.request_parsing import BadRequest, parse_body
 from lmserve.rolling_batch.protocol import GenerationParams
 

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+
 from lmserve.properties.config import ConfigError, ResolvedConfig, ServingConfig, load_config
 from lmserve.properties.settings import SETTINGS
 

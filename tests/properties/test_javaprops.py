@@ -6,6 +6,7 @@ The expected values were checked against Java 17's `Properties.load(Reader)`.
 from __future__ import annotations
 
 import pytest
+
 from lmserve.properties.javaprops import PropertiesSyntaxError, PropertyEntry, parse_properties
 
 

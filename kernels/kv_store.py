@@ -1,0 +1,31 @@
+"""Write the new tokens' K and V into their cache slots.
+
+Caches are `[num_blocks, block_size, kv_heads, head_dim]`; slot `s` is block `s // block_size`,
+offset `s % block_size`. A negative slot means "do not store" (padding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_reference(
+    key: torch.Tensor,  # [T, kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int
+) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[keep].to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[keep].to(v_cache.dtype))
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    if k_cache.is_cuda:
+        from .kv_store_triton import store_kv_triton
+
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)

@@ -1,0 +1,76 @@
+"""Causal attention of a packed batch over a paged KV cache.
+
+One call serves every kind of sequence in a step: a whole prompt, a chunk of a prompt whose
+earlier part is already cached, or one decode token. Sequence `s` owns query rows
+`query_start_loc[s]:query_start_loc[s+1]` (its newest `q_len` tokens) and has `seq_lens[s]`
+tokens in the cache, its K/V already stored; query row `i` sits at absolute position
+`seq_lens[s] - q_len + i` and attends to keys `0..position`. Grouped-query attention: query
+head `h` reads KV head `h // (q_heads // kv_heads)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [T, q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int, unused entries any valid block id
+    seq_lens: torch.Tensor,  # [S] int: cached tokens, the new ones included
+    query_start_loc: torch.Tensor,  # [S + 1] int
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """Pads every sequence to the longest query and context so one batched einsum serves
+    the whole step (a Python loop per sequence costs more than the math at decode sizes)."""
+    num_seqs = seq_lens.shape[0]
+    num_tokens, q_heads, head_dim = query.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q_heads // kv_heads
+    num_blocks = -(-max_seq_len // block_size)
+    tables = block_tables[:, :num_blocks].long()
+    keys = k_cache[tables].reshape(num_seqs, num_blocks * block_size, kv_heads, head_dim)
+    values = v_cache[tables].reshape(num_seqs, num_blocks * block_size, kv_heads, head_dim)
+    keys, values = keys[:, :max_seq_len].float(), values[:, :max_seq_len].float()
+
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=query.device), q_lens)
+    token_row = torch.arange(num_tokens, device=query.device) - query_start_loc[token_seq].long()
+    padded = query.new_zeros(num_seqs, max_query_len, q_heads, head_dim, dtype=torch.float32)
+    padded[token_seq, token_row] = query.float()
+    padded = padded.view(num_seqs, max_query_len, kv_heads, group, head_dim)
+
+    scores = torch.einsum("sqhgd,slhd->shgql", padded, keys) * scale
+    positions = (seq_lens.long() - q_lens)[:, None] + torch.arange(
+        max_query_len, device=query.device
+    )
+    key_index = torch.arange(max_seq_len, device=query.device)
+    allowed = key_index[None, None, :] <= positions[:, :, None]  # [S, q, L]; also < seq_len
+    scores.masked_fill_(~allowed[:, None, None], float("-inf"))
+    # Padding query rows (beyond a sequence's q_len) may see no key at all: keep them finite.
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    out = torch.einsum("shgql,slhd->sqhgd", probs, values)
+    out = out.reshape(num_seqs, max_query_len, q_heads, head_dim)
+    return out[token_seq, token_row].to(query.dtype)
+
+
+def paged_attention(
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    max_query_len,
+    max_seq_len,
+) -> torch.Tensor:
+    args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    if query.is_cuda:
+        from .paged_attention_triton import paged_attention_triton
+
+        return paged_attention_triton(*args, max_query_len, max_seq_len)
+    return paged_attention_reference(*args, max_query_len, max_seq_len)
