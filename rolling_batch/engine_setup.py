@@ -1,0 +1,81 @@
+"""From a model directory and options to a ready ModelRunner: device, dtype, weights (this
+rank's shards), KV cache sized from the memory budget. Shared by the offline `LLM` and the MPI
+ranks."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import kv_cache
+from .layers.parallel import TensorParallelGroup, shard_heads
+from .model_loader import load_hf_config, load_model, resolve_dtype
+from .model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    dtype: str = "auto"  # fp32 | fp16 | bf16 | auto
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    paged_attention: bool = True
+    block_size: int = 16  # with paged_attention=False a block is max_model_len long
+    max_num_seqs: int = 64  # sequences whose KV the cache must be able to hold at once
+    cpu_kv_cache_fraction: float = 0.25  # share of available RAM for the KV cache on CPU
+    gpu_memory_utilization: float = 0.9
+    trust_remote_code: bool = False
+
+
+def pick_device(rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def build_runner(
+    model_path: str | Path,
+    options: RuntimeOptions,
+    group: TensorParallelGroup,
+    ranks_here: int = 1,
+) -> tuple[ModelRunner, object, int]:
+    """(runner, HF config, max_model_len)."""
+    hf_config = load_hf_config(model_path, options.trust_remote_code)
+    device = pick_device(group.rank)
+    checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(checkpoint_dtype, str):
+        checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
+    dtype = resolve_dtype(options.dtype, checkpoint_dtype, device.type)
+    max_model_len = options.max_model_len or hf_config.max_position_embeddings
+    model = load_model(model_path, hf_config, dtype, device, group, max_model_len)
+
+    block_size = options.block_size if options.paged_attention else max_model_len
+    heads = shard_heads(
+        hf_config.num_attention_heads, hf_config.num_key_value_heads, group.world_size, group.rank
+    )
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    shape = kv_cache.CacheShape(
+        hf_config.num_hidden_layers, heads.num_kv, head_dim, block_size, dtype
+    )
+    budget = kv_cache.memory_budget(
+        device, options.gpu_memory_utilization, options.cpu_kv_cache_fraction, ranks_here
+    )
+    useful = options.max_num_seqs * -(-max_model_len // block_size)
+    num_blocks = kv_cache.plan_num_blocks(shape, budget, useful)
+    log.info(
+        "rank %d: %s on %s, KV cache %d blocks x %d tokens (%.0f MiB of a %.0f MiB budget)",
+        group.rank,
+        str(dtype).removeprefix("torch."),
+        device,
+        num_blocks,
+        block_size,
+        num_blocks * shape.bytes_per_block / 2**20,
+        budget / 2**20,
+    )
+    runner = ModelRunner(model, kv_cache.allocate(shape, num_blocks, device), block_size, device)
+    return runner, hf_config, max_model_len

@@ -1,0 +1,71 @@
+"""Build a native model on a device and fill it from an HF checkpoint directory."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from .layers.parallel import TensorParallelGroup
+from .models import model_class_for
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: torch.dtype | None, device: str) -> torch.dtype:
+    """`auto`: the checkpoint's dtype on GPU; fp32 on CPU (benchmarks/README.md: fp32 decodes
+    faster than bf16 on this kind of CPU, which has no native bf16 matmul)."""
+    if requested != "auto":
+        return TORCH_DTYPES[requested]
+    if device == "cuda" and checkpoint_dtype is not None:
+        return checkpoint_dtype
+    return torch.float32
+
+
+def load_hf_config(model_path: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+
+
+def iter_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_path}: no *.safetensors weights (the native runtime reads those)")
+    for file in files:
+        with safe_open(str(file), framework="pt") as weights:
+            for name in weights.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, weights.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_path: str | Path,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    group: TensorParallelGroup,
+    max_model_len: int,
+):
+    model_class = model_class_for(hf_config)
+    # Parameters are created in the serving dtype; rotary tables stay fp32 (built explicitly so).
+    with _default_dtype(dtype):
+        model = model_class(hf_config, group, max_model_len)
+    model.load_weights(iter_checkpoint(model_path))
+    return model.to(device).eval()

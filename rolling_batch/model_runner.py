@@ -1,0 +1,76 @@
+"""Runs one packed step of the model: whatever mix of prompt chunks and decode tokens the
+caller schedules, described torch-free so it can be sent to every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layers.attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """One sequence's part of a step: `token_ids` are new (positions `num_computed`...), its KV
+    blocks are `block_ids`, and `needs_logits` asks for the logits after its last token."""
+
+    token_ids: tuple[int, ...]
+    num_computed: int
+    block_ids: tuple[int, ...]
+    needs_logits: bool
+
+
+class ModelRunner:
+    def __init__(self, model, kv_caches, block_size: int, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_caches[0][0].shape[0]
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        """fp32 logits `[number of chunks that need them, vocab]`, in chunk order."""
+        input_ids, positions, meta, logits_rows = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden[logits_rows])
+
+    def _prepare(self, chunks: list[SequenceChunk]):
+        block_size = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        q_starts = [0]
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        for chunk in chunks:
+            for offset, token in enumerate(chunk.token_ids):
+                position = chunk.num_computed + offset
+                token_ids.append(token)
+                positions.append(position)
+                slots.append(
+                    chunk.block_ids[position // block_size] * block_size + position % block_size
+                )
+            q_starts.append(len(token_ids))
+            seq_lens.append(chunk.num_computed + len(chunk.token_ids))
+            if chunk.needs_logits:
+                logits_rows.append(len(token_ids) - 1)
+        width = max(len(chunk.block_ids) for chunk in chunks)
+        tables = [list(chunk.block_ids) + [0] * (width - len(chunk.block_ids)) for chunk in chunks]
+
+        def tensor(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots),
+            block_tables=tensor(tables).to(torch.int32),
+            seq_lens=tensor(seq_lens).to(torch.int32),
+            query_start_loc=tensor(q_starts).to(torch.int32),
+            max_query_len=max(len(chunk.token_ids) for chunk in chunks),
+            max_seq_len=max(seq_lens),
+        )
+        return tensor(token_ids), tensor(positions), meta, tensor(logits_rows)

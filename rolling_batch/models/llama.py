@@ -1,0 +1,133 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM): RMSNorm, rotary embeddings, grouped-query
+attention, SwiGLU MLP, tied or untied embeddings. Reads like single-device code: the parallel
+layers hold and load their own shards."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..layers.attention import Attention, AttentionMetadata
+from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..layers.linear import MergedColumnLinear, RowLinear
+from ..layers.norm_and_rotary import RMSNorm, RotaryEmbedding
+from ..layers.parallel import TensorParallelGroup, balanced_split, shard_heads
+
+# checkpoint name fragment -> (fused parameter fragment, shard id)
+_FUSED = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, group: TensorParallelGroup):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [size, size], group, bias)
+        start, local = balanced_split(size, group.world_size, group.rank)
+        self.down_proj = RowLinear(start, local, config.hidden_size, group, bias)
+        self.local = local
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.local, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, head_dim, rotary, group, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        heads = shard_heads(
+            config.num_attention_heads, config.num_key_value_heads, group.world_size, group.rank
+        )
+        self.self_attn = Attention(
+            config.hidden_size, head_dim, heads, rotary, group, qkv_bias, o_bias
+        )
+        self.mlp = LlamaMLP(config, group)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, group, max_positions: int):
+        super().__init__()
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        # Qwen2 biases Q/K/V but not O; Llama's attention_bias covers both.
+        is_qwen2 = "Qwen2ForCausalLM" in (config.architectures or [])
+        o_bias = getattr(config, "attention_bias", False)
+        qkv_bias = o_bias or is_qwen2
+        rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, head_dim, rotary, group, qkv_bias, o_bias)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, group: TensorParallelGroup, max_positions: int):
+        super().__init__()
+        sliding_window = getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", True) and sliding_window:
+            if max_positions > sliding_window:
+                raise ValueError(
+                    f"sliding-window attention ({sliding_window} tokens) is not supported; set"
+                    f" option.max_model_len <= {sliding_window}"
+                )
+        self.config = config
+        self.model = LlamaModel(config, group, max_positions)
+        self.tied = getattr(config, "tie_word_embeddings", False)
+        if not self.tied:
+            self.lm_head = ParallelLMHead(self.model.embed_tokens, config.hidden_size)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return self.model.embed_tokens.logits(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
+                continue
+            target, shard = name, None
+            for fragment, (fused, shard_id) in _FUSED.items():
+                if fragment in name:
+                    target, shard = name.replace(fragment, fused), shard_id
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            module = modules[target.rsplit(".", 1)[0]]
+            param = params[target]
+            loader = getattr(module, "weight_loader", None)
+            if loader is None:
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor, shard)
+            loaded.add(target)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")

@@ -1,0 +1,78 @@
+"""The native model's logits equal HF transformers' (same weights, fp32) within 1e-4 relative,
+on packed steps that mix whole prompts, chunked prompts and decode tokens, for block sizes 1,
+16 and max_model_len (paged attention off)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
+from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model_runner import SequenceChunk
+
+MAX_MODEL_LEN = 64
+PROMPTS = {
+    "a": [1, 504, 3575, 282, 4649, 314, 30],
+    "b": [28120, 30, 339, 5248, 253, 1114, 519, 28, 284, 339, 2606, 288],
+    "c": [7042, 2988, 314],
+}
+# Each step: (sequence, number of new tokens). "b" is prefilled in two chunks while "a" and
+# "c" already decode; decode tokens are arbitrary ids appended to the sequence.
+STEPS = [
+    [("a", 7), ("b", 5), ("c", 3)],
+    [("a", 1), ("b", 7), ("c", 1)],
+    [("a", 1), ("b", 1), ("c", 1)],
+    [("c", 1), ("a", 1)],
+]
+DECODE_TOKENS = [42, 198, 7042, 30, 216]
+
+
+def run_steps(runner, block_size):
+    tokens = {name: list(prompt) for name, prompt in PROMPTS.items()}
+    computed = dict.fromkeys(PROMPTS, 0)
+    blocks_per_seq = -(-MAX_MODEL_LEN // block_size)
+    free = list(range(runner.num_blocks))[::-1]  # reversed: tables are not the identity
+    blocks = {name: tuple(free.pop() for _ in range(blocks_per_seq)) for name in PROMPTS}
+    results = []
+    for step_number, step in enumerate(STEPS):
+        chunks = []
+        for name, count in step:
+            if computed[name] >= len(PROMPTS[name]):  # decoding: append the next token
+                tokens[name].append(DECODE_TOKENS[step_number])
+            new = tokens[name][computed[name] : computed[name] + count]
+            chunks.append(SequenceChunk(tuple(new), computed[name], blocks[name], True))
+            computed[name] += count
+        logits = runner.execute(chunks)
+        for (name, _), row in zip(step, logits):
+            results.append((list(tokens[name][: computed[name]]), row))
+    return results
+
+
+@pytest.fixture(scope="module", params=["tiny", "smollm2"])
+def model_dir(request, tiny_model_dir, smollm2_dir):
+    return tiny_model_dir if request.param == "tiny" else smollm2_dir
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize(("block_size", "paged"), [(1, True), (16, True), (None, False)])
+def test_packed_steps_match_hf_logits(model_dir, hf_model, block_size, paged):
+    options = RuntimeOptions(
+        dtype="fp32",
+        max_model_len=MAX_MODEL_LEN,
+        paged_attention=paged,
+        block_size=block_size or MAX_MODEL_LEN,
+        max_num_seqs=4,
+    )
+    runner, _, _ = build_runner(model_dir, options, TensorParallelGroup())
+    assert runner.block_size == (block_size if paged else MAX_MODEL_LEN)
+    for sequence, logits in run_steps(runner, runner.block_size):
+        with torch.inference_mode():
+            expected = hf_model(torch.tensor([sequence])).logits[0, -1]
+        error = (logits - expected).abs().max() / expected.abs().max()
+        assert error < 1e-4, f"relative error {error:.2e} after {len(sequence)} tokens"
