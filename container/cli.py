@@ -8,7 +8,13 @@ import os
 import sys
 from pathlib import Path
 
-from lmserve.properties.config import ConfigError, ResolvedConfig, describe, load_config
+from lmserve.properties.config import (
+    ConfigError,
+    ResolvedConfig,
+    default_cache_dir,
+    describe,
+    load_config,
+)
 from lmserve.rolling_batch.gguf_convert import GGUFError
 from lmserve.rolling_batch.runtime import Runtime
 
@@ -23,11 +29,6 @@ SAGEMAKER_MODEL_DIR = Path("/opt/ml/model")
 
 def default_model_dir() -> Path | None:
     return SAGEMAKER_MODEL_DIR if SAGEMAKER_MODEL_DIR.is_dir() else None
-
-
-def default_cache_dir() -> Path:
-    configured = os.environ.get("LMSERVE_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "lmserve"
 
 
 def count_devices() -> int:

@@ -12,11 +12,10 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from lmserve.rolling_batch.model_loader import resolve_dtype
 from lmserve.rolling_batch.protocol import GenerationParams
 
 log = logging.getLogger(__name__)
-
-_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -24,16 +23,6 @@ class Generation:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str  # "length" | "eos_token"
-
-
-def resolve_dtype(requested: str, checkpoint_dtype: torch.dtype | None, device: str) -> torch.dtype:
-    """`auto`: the checkpoint's dtype on GPU; fp32 on CPU, where bf16/fp16 matmuls are emulated
-    on most cores and slower than fp32."""
-    if requested != "auto":
-        return _TORCH_DTYPES[requested]
-    if device == "cuda" and checkpoint_dtype is not None:
-        return checkpoint_dtype
-    return torch.float32
 
 
 class HFEngine:

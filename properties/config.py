@@ -23,6 +23,13 @@ log = logging.getLogger(__name__)
 PROPERTIES_FILE = "serving.properties"
 
 
+def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """Where downloads and converted models go: $LMSERVE_CACHE_DIR, else ~/.cache/lmserve."""
+    environ = os.environ if environ is None else environ
+    configured = environ.get("LMSERVE_CACHE_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "lmserve"
+
+
 class ConfigError(ValueError):
     """Every problem found, one per line, each naming key, value and what is allowed."""
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmserve.handlers.hf_engine import HFEngine, resolve_dtype
+from lmserve.handlers.hf_engine import HFEngine
+from lmserve.rolling_batch.model_loader import resolve_dtype
 from lmserve.rolling_batch.protocol import GenerationParams
 
 

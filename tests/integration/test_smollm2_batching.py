@@ -11,6 +11,7 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
 from ..servers import Server, write_properties
 
 PROMPTS = [
@@ -24,7 +25,6 @@ PROMPTS = [
     "List the planets of the solar system in order from the sun:",
 ]
 MAX_NEW_TOKENS = 24
-NEAR_TIE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -45,31 +45,6 @@ def hf(smollm2_dir):
     return model, AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-def hf_greedy_alone(hf, prompt: str) -> tuple[list[int], list[torch.Tensor]]:
-    model, tokenizer = hf
-    input_ids = torch.tensor([tokenizer(prompt)["input_ids"]])
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=MAX_NEW_TOKENS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    return out.sequences[0, input_ids.shape[1] :].tolist(), [s[0] for s in out.logits]
-
-
-def assert_same_or_near_tie(served: list[int], expected: list[int], logits: list[torch.Tensor]):
-    for step, (got, want) in enumerate(zip(served, expected)):
-        if got != want:
-            top2 = torch.topk(logits[step].float(), 2).values
-            gap = (top2[0] - top2[1]).item()
-            assert gap < NEAR_TIE, f"diverged at step {step} ({got} != {want}), top-2 gap {gap}"
-            return
-    assert served == expected[: len(served)]
-    assert len(served) == len(expected) or served[-1] == 2  # only EOS may end it early
-
-
 def test_concurrent_greedy_requests_match_hf_and_are_batched(server, hf):
     def ask(prompt: str) -> requests.Response:
         return requests.post(
@@ -84,12 +59,12 @@ def test_concurrent_greedy_requests_match_hf_and_are_batched(server, hf):
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         responses = list(pool.map(ask, PROMPTS))
 
-    _, tokenizer = hf
     for prompt, response in zip(PROMPTS, responses):
         assert response.status_code == 200, response.text
         body = response.json()
         served = [token["id"] for token in body["details"]["tokens"]]
-        expected, logits = hf_greedy_alone(hf, prompt)
+        model, tokenizer = hf
+        expected, logits = hf_greedy_alone(model, tokenizer(prompt)["input_ids"], MAX_NEW_TOKENS)
         assert_same_or_near_tie(served, expected, logits)
         assert body["generated_text"] == tokenizer.decode(served, skip_special_tokens=True)
         assert body["details"]["generated_tokens"] == len(served)

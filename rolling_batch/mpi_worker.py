@@ -1,0 +1,136 @@
+"""The tensor-parallel ranks: `mpiexec -n N python -m mpi4py -m lmserve.rolling_batch.mpi_worker
+SETTINGS_JSON`. Every rank loads its shard; rank 0 takes work from the driver over a ZeroMQ
+socket and sends each step to the other ranks, which run it in lockstep (their all-reduces
+meet rank 0's). Started through `python -m mpi4py`, an exception on any rank aborts the job
+instead of leaving the others waiting forever.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import sys
+import time
+
+import torch
+
+from . import protocol
+from .engine_setup import RuntimeOptions, build_runner
+from .layers.parallel import MPIGroup, NcclGroup
+from .static_generation import generate_greedy
+
+log = logging.getLogger("lmserve.rank")
+
+_STEP_TAG = 11
+_BUSY_POLL_S = 0.05  # after a step, poll without sleeping this long (steps come back to back)
+_IDLE_SLEEP_S = 0.001  # then sleep between polls: a blocking MPI wait spins a whole core
+
+
+def make_group(comm):
+    if not torch.cuda.is_available():
+        # One torch thread per rank: two per rank measured 5-18x slower under mpiexec here.
+        torch.set_num_threads(1)
+        return MPIGroup(comm)
+    import torch.distributed as dist
+
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=comm.Get_rank(),
+        world_size=comm.Get_size(),
+    )
+    return NcclGroup(comm.Get_rank(), comm.Get_size())
+
+
+class StepBroadcaster:
+    """Rank 0's `execute`: send the step to every other rank, then run it here too."""
+
+    def __init__(self, runner, comm):
+        self.runner = runner
+        self.comm = comm
+
+    def __call__(self, chunks):
+        for rank in range(1, self.comm.Get_size()):
+            self.comm.send(chunks, dest=rank, tag=_STEP_TAG)
+        return self.runner.execute(chunks)
+
+    def stop_followers(self) -> None:
+        for rank in range(1, self.comm.Get_size()):
+            self.comm.send(None, dest=rank, tag=_STEP_TAG)
+
+
+def follow(runner, comm) -> None:
+    """Ranks > 0: run every step rank 0 sends until it sends None."""
+    last_step = time.monotonic()
+    while True:
+        if not comm.Iprobe(source=0, tag=_STEP_TAG):
+            if time.monotonic() - last_step > _BUSY_POLL_S:
+                time.sleep(_IDLE_SLEEP_S)
+            continue
+        chunks = comm.recv(source=0, tag=_STEP_TAG)
+        if chunks is None:
+            return
+        runner.execute(chunks)
+        last_step = time.monotonic()
+
+
+def serve_driver(runner, broadcaster: StepBroadcaster, address: str) -> None:
+    """Rank 0 for the offline LLM: answer the driver's requests until it says shutdown."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(address)
+    while True:
+        identity, frame = sock.recv_multipart()
+        message = protocol.unpack(frame)
+        op = message["op"]
+        if op == "hello":
+            reply = {"ok": True}
+        elif op == "generate":
+            token_ids = generate_greedy(
+                broadcaster,
+                runner.num_blocks,
+                runner.block_size,
+                message["prompts"],
+                message["max_new_tokens"],
+                set(message["eos_token_ids"]),
+                message["ignore_eos"],
+            )
+            reply = {"token_ids": token_ids}
+        elif op == "shutdown":
+            broadcaster.stop_followers()
+            sock.send_multipart([identity, protocol.pack({"ok": True})])
+            sock.close(linger=1000)
+            return
+        else:
+            reply = {"error": f"unknown op {op!r}"}
+        sock.send_multipart([identity, protocol.pack(reply)])
+
+
+def main() -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s rank{comm.Get_rank()} %(levelname)s %(message)s"
+    )
+    settings = json.loads(sys.argv[1])
+    group = make_group(comm)
+    options = RuntimeOptions(**settings["options"])
+    runner, _, _ = build_runner(settings["model_path"], options, group, comm.Get_size())
+    if comm.Get_rank() == 0:
+        serve_driver(runner, StepBroadcaster(runner, comm), settings["address"])
+    else:
+        follow(runner, comm)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The offline LLM API on SmolLM2: greedy generation equals HF's token for token (near-ties
+checked), with paged attention on or off, and with two tensor-parallel MPI ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lmserve.rolling_batch import LLM
+
+from ..conftest import TEST_CACHE_DIR
+from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "The three primary colors are",
+    "Translate to French: I like cheese.",
+    "Q: What is 12 times 7?\nA:",
+    "List the planets of the solar system in order from the sun:",
+    "import numpy as np\n\n# compute the mean of a list\n",
+    "Dear hiring manager,",
+    "The mitochondria is",
+    "1, 1, 2, 3, 5, 8,",
+    "<|im_start|>user\nWhat is the tallest mountain?<|im_end|>\n<|im_start|>assistant\n",
+    "In 1492,",
+    "Water boils at",
+    "A",
+]
+MAX_NEW_TOKENS = 64
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def tp1_results():
+    with LLM(max_model_len=MAX_MODEL_LEN, cache_dir=TEST_CACHE_DIR) as llm:
+        results = llm.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
+        return results, [llm.tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+def test_greedy_generation_equals_hf(tp1_results, smollm2_dir):
+    results, prompt_ids = tp1_results
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    for prompt, ids, result in zip(PROMPTS, prompt_ids, results):
+        assert result.prompt == prompt
+        expected, logits = hf_greedy_alone(model, ids, MAX_NEW_TOKENS)
+        assert_same_or_near_tie(result.token_ids, expected, logits)
+    assert any(len(r.token_ids) == MAX_NEW_TOKENS for r in results)
+    assert "Paris" in results[0].text
+
+
+def test_paged_attention_off_gives_the_same_tokens(tp1_results):
+    results, _ = tp1_results
+    with LLM(max_model_len=MAX_MODEL_LEN, paged_attention=False, cache_dir=TEST_CACHE_DIR) as llm:
+        assert llm._engine.runner.block_size == MAX_MODEL_LEN
+        contiguous = llm.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
+    assert [r.token_ids for r in contiguous] == [r.token_ids for r in results]
+
+
+def test_two_mpi_ranks_give_the_same_tokens(tp1_results):
+    results, _ = tp1_results
+    with LLM(
+        max_model_len=MAX_MODEL_LEN, tensor_parallel_degree=2, cache_dir=TEST_CACHE_DIR
+    ) as llm:
+        sharded = llm.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
+        process = llm._engine._process
+    assert [r.token_ids for r in sharded] == [r.token_ids for r in results]
+    assert process.poll() is not None, "the MPI ranks outlived close()"
+
+
+def test_token_id_prompts_and_a_cache_smaller_than_the_batch(tp1_results):
+    results, prompt_ids = tp1_results
+    # 16 blocks of 16 tokens; each sequence reserves prompt + 64 tokens (5-6 blocks), so about
+    # three run at a time and the others wait for blocks: the tokens must not change.
+    with LLM(max_model_len=MAX_MODEL_LEN, max_num_seqs=1, cache_dir=TEST_CACHE_DIR) as llm:
+        assert llm._engine.runner.num_blocks == MAX_MODEL_LEN // 16
+        again = llm.generate(prompt_ids[:5], max_new_tokens=MAX_NEW_TOKENS)
+    assert [r.token_ids for r in again] == [r.token_ids for r in results[:5]]
+    assert again[0].prompt is None
