@@ -1,0 +1,102 @@
+"""Every supported architecture and its options against HF on tiny random weights: Qwen2's
+Q/K/V biases, Mistral, Llama with biases, untied embeddings and llama3 rope scaling. Unsupported
+things fail with a message naming what is supported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
+from lmserve.rolling_batch.layers.norm_and_rotary import rope_frequencies
+from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model_runner import SequenceChunk
+from lmserve.rolling_batch.models import model_class_for
+
+COMMON = dict(
+    vocab_size=300,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+VARIANTS = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "llama-biases-untied-llama3-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 50000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+}
+
+
+def save_tiny(folder, config_name, model_name, extra):
+    config = getattr(transformers, config_name)(**COMMON, **extra)
+    torch.manual_seed(1)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():  # random biases: zero-initialised ones would hide a missing bias
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_variant_matches_hf(variant, block_size, tmp_path):
+    hf_model = save_tiny(tmp_path, *VARIANTS[variant])
+    options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=block_size, max_num_seqs=2)
+    runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
+    prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11]
+    blocks = tuple(range(runner.num_blocks // 2))
+    # A prompt in two chunks, then one decode token.
+    steps = [(prompt[:6], 0), (prompt[6:], 6), ([123], len(prompt))]
+    sequence = []
+    for new, computed in steps:
+        sequence += new
+        (logits,) = runner.execute([SequenceChunk(tuple(new), computed, blocks, True)])
+        with torch.inference_mode():
+            expected = hf_model(torch.tensor([sequence])).logits[0, -1]
+        error = (logits - expected).abs().max() / expected.abs().max()
+        assert error < 1e-4, f"{variant}: relative error {error:.2e}"
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    config = transformers.GPT2Config(architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError) as error:
+        model_class_for(config)
+    message = str(error.value)
+    assert "GPT2LMHeadModel" in message
+    assert "LlamaForCausalLM" in message and "Qwen2ForCausalLM" in message
+
+
+def test_unsupported_rope_type_is_refused():
+    config = transformers.LlamaConfig(
+        **COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    )
+    with pytest.raises(ValueError, match="rope_type='dynamic'.*supported: default"):
+        rope_frequencies(config, 8)
+
+
+def test_sliding_window_longer_context_is_refused(tmp_path):
+    save_tiny(tmp_path, "MistralConfig", "MistralForCausalLM", dict(sliding_window=16))
+    options = RuntimeOptions(dtype="fp32", max_model_len=64, max_num_seqs=1)
+    with pytest.raises(ValueError, match="sliding-window.*max_model_len <= 16"):
+        build_runner(tmp_path, options, TensorParallelGroup())
