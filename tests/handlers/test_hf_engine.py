@@ -54,7 +54,12 @@ def test_seeded_sampling_repeats(engine):
     assert first[0].token_ids == again[0].token_ids
 
 
-def test_auto_dtype_is_fp32_on_cpu_and_the_checkpoint_dtype_on_gpu():
+def test_auto_dtype_follows_the_cpu_and_the_checkpoint_on_gpu(monkeypatch):
+    from lmserve.rolling_batch import model_loader
+
+    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: False)
     assert resolve_dtype("auto", torch.bfloat16, "cpu") == torch.float32
-    assert resolve_dtype("auto", torch.bfloat16, "cuda") == torch.bfloat16
+    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype("auto", torch.float32, "cpu") == torch.bfloat16
+    assert resolve_dtype("auto", torch.float16, "cuda") == torch.float16
     assert resolve_dtype("bf16", torch.float32, "cpu") == torch.bfloat16

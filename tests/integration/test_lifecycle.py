@@ -65,13 +65,17 @@ def test_signal_stops_everything(tmp_path, tiny_model_dir, signum):
 
 
 def test_start_up_log_names_engine_dtype_device_batching_and_source(tmp_path, tiny_model_dir):
-    server = Server(tiny_folder(tmp_path, tiny_model_dir, batch_size=3, max_batch_delay=7))
+    server = Server(
+        tiny_folder(
+            tmp_path, tiny_model_dir, batch_size=3, max_batch_delay=7, **{"option.dtype": "bf16"}
+        )
+    )
     server.wait_healthy()
     assert server.stop() == 0
     log = server.log()
     for fragment in (
         "engine=Python",
-        "dtype=float32",
+        "dtype=bfloat16",
         "device=cpu",
         "batch_size=3",
         "max_batch_delay=7 ms",

@@ -21,6 +21,7 @@ def test_mixed_parameters_share_the_server_without_failing(tmp_path, tiny_model_
             "engine": "Python",
             "batch_size": 4,
             "max_batch_delay": 300,
+            "option.dtype": "fp32",
             "option.model_id": tiny_model_dir,
         },
     )

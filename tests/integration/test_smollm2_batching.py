@@ -31,7 +31,8 @@ MAX_NEW_TOKENS = 24
 def server(tmp_path_factory):
     folder = write_properties(
         tmp_path_factory.mktemp("smollm2-python"),
-        {"engine": "Python", "batch_size": 4, "max_batch_delay": 100},
+        # fp32: the reference is HF's fp32 greedy output.
+        {"engine": "Python", "batch_size": 4, "max_batch_delay": 100, "option.dtype": "fp32"},
     )
     server = Server(folder)
     server.wait_healthy()

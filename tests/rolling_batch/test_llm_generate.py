@@ -36,7 +36,7 @@ MAX_MODEL_LEN = 256
 
 @pytest.fixture(scope="module")
 def tp1_results():
-    with LLM(max_model_len=MAX_MODEL_LEN, cache_dir=TEST_CACHE_DIR) as llm:
+    with LLM(max_model_len=MAX_MODEL_LEN, dtype="fp32", cache_dir=TEST_CACHE_DIR) as llm:
         results = llm.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
         return results, [llm.tokenizer(p)["input_ids"] for p in PROMPTS]
 
@@ -54,7 +54,9 @@ def test_greedy_generation_equals_hf(tp1_results, smollm2_dir):
 
 def test_paged_attention_off_gives_the_same_tokens(tp1_results):
     results, _ = tp1_results
-    with LLM(max_model_len=MAX_MODEL_LEN, paged_attention=False, cache_dir=TEST_CACHE_DIR) as llm:
+    with LLM(
+        max_model_len=MAX_MODEL_LEN, dtype="fp32", paged_attention=False, cache_dir=TEST_CACHE_DIR
+    ) as llm:
         assert llm._engine.runner.block_size == MAX_MODEL_LEN
         contiguous = llm.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
     assert [r.token_ids for r in contiguous] == [r.token_ids for r in results]
@@ -63,7 +65,10 @@ def test_paged_attention_off_gives_the_same_tokens(tp1_results):
 def test_two_mpi_ranks_give_the_same_tokens(tp1_results):
     results, _ = tp1_results
     with LLM(
-        max_model_len=MAX_MODEL_LEN, tensor_parallel_degree=2, cache_dir=TEST_CACHE_DIR
+        max_model_len=MAX_MODEL_LEN,
+        dtype="fp32",
+        tensor_parallel_degree=2,
+        cache_dir=TEST_CACHE_DIR,
     ) as llm:
         sharded = llm.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
         process = llm._engine._process
@@ -75,8 +80,17 @@ def test_token_id_prompts_and_a_cache_smaller_than_the_batch(tp1_results):
     results, prompt_ids = tp1_results
     # 16 blocks of 16 tokens; each sequence reserves prompt + 64 tokens (5-6 blocks), so about
     # three run at a time and the others wait for blocks: the tokens must not change.
-    with LLM(max_model_len=MAX_MODEL_LEN, max_num_seqs=1, cache_dir=TEST_CACHE_DIR) as llm:
+    with LLM(
+        max_model_len=MAX_MODEL_LEN, dtype="fp32", max_num_seqs=1, cache_dir=TEST_CACHE_DIR
+    ) as llm:
         assert llm._engine.runner.num_blocks == MAX_MODEL_LEN // 16
         again = llm.generate(prompt_ids[:5], max_new_tokens=MAX_NEW_TOKENS)
     assert [r.token_ids for r in again] == [r.token_ids for r in results[:5]]
     assert again[0].prompt is None
+
+
+def test_bf16_serves_sensible_text():
+    with LLM(max_model_len=MAX_MODEL_LEN, dtype="bf16", cache_dir=TEST_CACHE_DIR) as llm:
+        (result,) = llm.generate(["The capital of France is"], max_new_tokens=8)
+        assert next(llm._engine.runner.model.parameters()).dtype == torch.bfloat16
+    assert "Paris" in result.text

@@ -58,7 +58,7 @@ def test_three_ranks_with_replicated_kv_heads_match_one_process(tiny_model_dir):
     # Tiny model: 4 query / 2 KV heads, MLP 64 wide, hidden 32: three ranks split all of them
     # unevenly and two ranks share KV head 0.
     prompts = [[1, 2, 3, 4, 5], [7042, 30], list(range(100, 140))]
-    settings = dict(model=tiny_model_dir, max_model_len=128, cache_dir=TEST_CACHE_DIR)
+    settings = dict(model=tiny_model_dir, dtype="fp32", max_model_len=128, cache_dir=TEST_CACHE_DIR)
     with LLM(**settings) as llm:
         single = llm.generate(prompts, max_new_tokens=12, ignore_eos=True)
     with LLM(tensor_parallel_degree=3, **settings) as llm:

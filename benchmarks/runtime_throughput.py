@@ -1,0 +1,112 @@
+"""Prefill and decode throughput of the native runtime against HF transformers on the same
+inputs, and this machine's matmul rate (the roofline decode should approach).
+
+    .venv/bin/python benchmarks/runtime_throughput.py [--batches 1 8 32 64] [--dtypes fp32 bf16]
+
+Each batch: B prompts of --prompt-len random tokens prefilled in one packed step, then
+--decode-steps steps of B decode tokens. HF: one forward over the [B, prompt-len] batch, and
+`generate` (greedy, EOS ignored) whose time minus that forward is its decode time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from lmserve.properties.config import default_cache_dir
+from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
+from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model_runner import SequenceChunk
+from lmserve.rolling_batch.model_source import local_model_path
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def matmul_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b
+    started = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size**3 * repeats / (time.perf_counter() - started) / 1e9
+
+
+def native(model_path, dtype: str, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
+    max_len = prompt_len + steps + 1
+    options = RuntimeOptions(dtype=dtype, max_model_len=max_len, max_num_seqs=batch)
+    runner, _, _ = build_runner(model_path, options, TensorParallelGroup())
+    per_seq = -(-max_len // runner.block_size)
+    blocks = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    prompts = torch.randint(
+        100, 40000, (batch, prompt_len), generator=torch.Generator().manual_seed(0)
+    )
+    prefill = [SequenceChunk(tuple(p.tolist()), 0, blocks[i], True) for i, p in enumerate(prompts)]
+    started = time.perf_counter()
+    next_tokens = runner.execute(prefill).argmax(-1).tolist()
+    prefill_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for step in range(steps):
+        chunks = [
+            SequenceChunk((next_tokens[i],), prompt_len + step, blocks[i], True)
+            for i in range(batch)
+        ]
+        next_tokens = runner.execute(chunks).argmax(-1).tolist()
+    decode_s = time.perf_counter() - started
+    return batch * prompt_len / prefill_s, batch * steps / decode_s
+
+
+def hf(model, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
+    prompts = torch.randint(
+        100, 40000, (batch, prompt_len), generator=torch.Generator().manual_seed(0)
+    )
+    mask = torch.ones_like(prompts)
+    with torch.inference_mode():
+        started = time.perf_counter()
+        model(prompts, attention_mask=mask)
+        prefill_s = time.perf_counter() - started
+        started = time.perf_counter()
+        model.generate(
+            prompts,
+            attention_mask=mask,
+            max_new_tokens=steps + 1,
+            min_new_tokens=steps + 1,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        decode_s = time.perf_counter() - started - prefill_s
+    return batch * prompt_len / prefill_s, batch * steps / decode_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    args = parser.parse_args()
+    model_path = local_model_path(None, default_cache_dir())
+    print(f"torch threads: {torch.get_num_threads()}")
+    for dtype in args.dtypes:
+        print(f"{dtype} matmul 2048^3: {matmul_gflops(DTYPES[dtype]):.1f} GFLOP/s")
+    print(
+        f"\nSmolLM2-135M, prompts of {args.prompt_len} tokens, {args.decode_steps} decode steps\n\n"
+        "| dtype | batch | native prefill tok/s | HF prefill tok/s | native decode tok/s |"
+        " HF decode tok/s | decode native/HF |\n|---|---|---|---|---|---|---|"
+    )
+    for dtype in args.dtypes:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).eval()
+        for batch in args.batches:
+            ours = native(model_path, dtype, batch, args.prompt_len, args.decode_steps)
+            theirs = hf(model, batch, args.prompt_len, args.decode_steps)
+            print(
+                f"| {dtype} | {batch} | {ours[0]:.0f} | {theirs[0]:.0f} | {ours[1]:.1f} |"
+                f" {theirs[1]:.1f} | {ours[1] / theirs[1]:.2f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
