@@ -4,8 +4,8 @@ inputs, and this machine's matmul rate (the roofline decode should approach).
     .venv/bin/python benchmarks/runtime_throughput.py [--batches 1 8 32 64] [--dtypes fp32 bf16]
 
 Each batch: B prompts of --prompt-len random tokens prefilled in one packed step, then
---decode-steps steps of B decode tokens. HF: one forward over the [B, prompt-len] batch, and
-`generate` (greedy, EOS ignored) whose time minus that forward is its decode time.
+--decode-steps steps of B decode tokens. HF: `generate` (greedy, EOS ignored) of 1 token is
+its prefill; of 1 + decode-steps tokens, minus that, its decode. Both warmed up once first.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def native(model_path, dtype: str, batch: int, prompt_len: int, steps: int) -> t
         100, 40000, (batch, prompt_len), generator=torch.Generator().manual_seed(0)
     )
     prefill = [SequenceChunk(tuple(p.tolist()), 0, blocks[i], True) for i, p in enumerate(prompts)]
+    runner.execute(prefill)  # warm-up: first calls allocate and pick kernels
     started = time.perf_counter()
     next_tokens = runner.execute(prefill).argmax(-1).tolist()
     prefill_s = time.perf_counter() - started

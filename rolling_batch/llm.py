@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -173,6 +174,8 @@ class _MPIEngine:
             json.dumps(settings),
         ]
         self._process = subprocess.Popen(command, start_new_session=True)
+        # An LLM dropped without close() (or an interpreter exiting) still stops its ranks.
+        self._finalizer = weakref.finalize(self, _kill_ranks, self._process, self._ipc_dir)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address)
@@ -211,7 +214,13 @@ class _MPIEngine:
                 self._socket.send(protocol.pack({"op": "shutdown"}))
                 self._process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(self._process.pid, signal.SIGKILL)
-                self._process.wait()
+                pass
         self._socket.close()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self._finalizer()
+
+
+def _kill_ranks(process: subprocess.Popen, ipc_dir: str) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    shutil.rmtree(ipc_dir, ignore_errors=True)
