@@ -4,8 +4,8 @@ inputs, and this machine's matmul rate (the roofline decode should approach).
     .venv/bin/python benchmarks/runtime_throughput.py [--batches 1 8 32 64] [--dtypes fp32 bf16]
 
 Each batch: B prompts of --prompt-len random tokens prefilled in one packed step, then
---decode-steps steps of B decode tokens. HF: `generate` (greedy, EOS ignored) of 1 token is
-its prefill; of 1 + decode-steps tokens, minus that, its decode. Both warmed up once first.
+--decode-steps steps of B decode tokens. HF: `generate` (greedy, EOS ignored) with a logits
+processor that timestamps every step: prompt forward, then each decode step. Both warmed up.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import argparse
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from lmserve.properties.config import default_cache_dir
 from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-from lmserve.rolling_batch.model_runner import SequenceChunk
 from lmserve.rolling_batch.model_source import local_model_path
+from lmserve.rolling_batch.step import SequenceChunk
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -59,26 +59,42 @@ def native(model_path, dtype: str, batch: int, prompt_len: int, steps: int) -> t
     return batch * prompt_len / prefill_s, batch * steps / decode_s
 
 
+class _StepClock(LogitsProcessor):
+    """Called once per generated token, right after that step's forward: timestamps steps."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
 def hf(model, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
     prompts = torch.randint(
         100, 40000, (batch, prompt_len), generator=torch.Generator().manual_seed(0)
     )
     mask = torch.ones_like(prompts)
-    with torch.inference_mode():
-        started = time.perf_counter()
-        model(prompts, attention_mask=mask)
-        prefill_s = time.perf_counter() - started
+
+    def generate(new_tokens: int) -> tuple[float, list[float]]:
+        clock = _StepClock()
         started = time.perf_counter()
         model.generate(
             prompts,
             attention_mask=mask,
-            max_new_tokens=steps + 1,
-            min_new_tokens=steps + 1,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
             do_sample=False,
             pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock]),
         )
-        decode_s = time.perf_counter() - started - prefill_s
-    return batch * prompt_len / prefill_s, batch * steps / decode_s
+        return started, clock.times
+
+    with torch.inference_mode():
+        generate(2)  # warm-up, as for the native runtime
+        started, times = generate(steps + 1)
+    # The first stamp follows the prompt's forward; each later one follows one decode step.
+    return batch * prompt_len / (times[0] - started), batch * steps / (times[-1] - times[0])
 
 
 def main() -> None:

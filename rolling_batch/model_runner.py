@@ -3,22 +3,10 @@ caller schedules, described torch-free so it can be sent to every rank."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .layers.attention import AttentionMetadata
-
-
-@dataclass(frozen=True)
-class SequenceChunk:
-    """One sequence's part of a step: `token_ids` are new (positions `num_computed`...), its KV
-    blocks are `block_ids`, and `needs_logits` asks for the logits after its last token."""
-
-    token_ids: tuple[int, ...]
-    num_computed: int
-    block_ids: tuple[int, ...]
-    needs_logits: bool
+from .step import SequenceChunk
 
 
 class ModelRunner:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .model_runner import SequenceChunk
+from .step import SequenceChunk
 
 
 @dataclass

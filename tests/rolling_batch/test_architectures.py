@@ -11,8 +11,8 @@ import transformers
 from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
 from lmserve.rolling_batch.layers.norm_and_rotary import rope_frequencies
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-from lmserve.rolling_batch.model_runner import SequenceChunk
 from lmserve.rolling_batch.models import model_class_for
+from lmserve.rolling_batch.step import SequenceChunk
 
 COMMON = dict(
     vocab_size=300,

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-from lmserve.rolling_batch.model_runner import SequenceChunk
+from lmserve.rolling_batch.step import SequenceChunk
 
 MAX_MODEL_LEN = 64
 PROMPTS = {

@@ -1,0 +1,48 @@
+"""A request inside the rolling engine: its tokens, how many of them the KV cache holds, its
+blocks. Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .protocol import GenerationParams
+
+WAITING = "waiting"
+RUNNING = "running"
+FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: GenerationParams
+    arrival_time: float
+    reply_to: bytes = b""
+    output_ids: list[int] = field(default_factory=list)
+    output_log_probs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)
+    status: str = WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the newest token is missing from the cache: a prompt (or, after a
+        preemption, prompt plus output) being computed, under the prefill budget."""
+        return self.num_uncomputed > 1 or self.num_computed_tokens < len(self.prompt_ids)

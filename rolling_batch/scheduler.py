@@ -1,0 +1,174 @@
+"""Iteration-level scheduling (Orca, vLLM; LMI's rolling batch). Torch-free.
+
+Every step: running requests first, in arrival order (decodes cost one token each; a prompt
+still being prefilled takes what the prefill budget allows), then waiting requests join while
+the batch has room and the budget lasts. Prompts longer than the budget are prefilled in chunks
+across steps while decodes keep running. KV blocks are taken on demand; when none are left the
+newest running request is preempted (blocks freed, its tokens kept and recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .request import FINISHED, RUNNING, WAITING, Request
+from .step import SequenceChunk
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[Request]  # scheduled this step, in chunk order
+    chunks: list[SequenceChunk]
+    preempted: list[Request] = field(default_factory=list)
+    num_joined: int = 0  # requests that entered the running batch this step
+
+    @property
+    def sampling(self) -> list[Request]:
+        """The requests whose logits this step produces (their chunk ends at their newest token)."""
+        return [r for r, c in zip(self.requests, self.chunks) if c.needs_logits]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_running: int,
+        max_prefill_tokens: int,
+        max_model_len: int,
+    ):
+        self.blocks = block_manager
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        request.status = WAITING
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Removes the request wherever it is and frees its blocks at once."""
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self.finish(request, "abort")
+                    return request
+        return None
+
+    def finish(self, request: Request, reason: str) -> None:
+        request.status = FINISHED
+        request.finish_reason = reason
+        self.blocks.free(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_prefill_tokens
+        out = SchedulerOutput([], [])
+        for request in list(self.running):
+            if request not in self.running:  # preempted below by an older request
+                continue
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                continue
+            if not self._make_room(request, num_new, out):
+                continue  # it was itself the newest and got preempted
+            budget -= num_new if request.is_prefilling else 0
+            self._add_chunk(out, request, num_new)
+        while self.waiting and len(self.running) < self.max_running and budget > 0:
+            request = self.waiting[0]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0 or not self.blocks.can_hold(
+                request, request.num_computed_tokens + num_new
+            ):
+                break  # first come, first served: no overtaking a request that does not fit
+            self.waiting.popleft()
+            request.status = RUNNING
+            self.running.append(request)
+            self.blocks.grow(request, request.num_computed_tokens + num_new)
+            budget -= num_new
+            out.num_joined += 1
+            self._add_chunk(out, request, num_new)
+        return out
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        if request.is_prefilling:
+            return min(request.num_uncomputed, budget)
+        return request.num_uncomputed  # a decode: its newest token
+
+    def _make_room(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        target = request.num_computed_tokens + num_new
+        while not self.blocks.can_hold(request, target):
+            victim = self.running[-1]  # the newest
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        self.blocks.grow(request, target)
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        if request in out.requests:  # already scheduled this step: unschedule
+            index = out.requests.index(request)
+            del out.requests[index], out.chunks[index]
+        self.blocks.free(request)
+        request.num_computed_tokens = 0
+        request.status = WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    def _add_chunk(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        tokens = request.all_token_ids[start : start + num_new]
+        needs_logits = start + num_new == request.num_tokens
+        out.requests.append(request)
+        out.chunks.append(
+            SequenceChunk(tuple(tokens), start, tuple(request.block_ids), needs_logits)
+        )
+
+    def update(self, out: SchedulerOutput, sampled: list[tuple[int, float]], eos_ids: set[int]):
+        """Records this step: computed tokens advance, sampled tokens are appended, finished
+        requests leave the batch and free their blocks. Returns (request, token, log_prob)
+        for every sampled token."""
+        for request, chunk in zip(out.requests, out.chunks):
+            request.num_computed_tokens += len(chunk.token_ids)
+        produced = []
+        for request, (token, log_prob) in zip(out.sampling, sampled):
+            request.output_ids.append(token)
+            request.output_log_probs.append(log_prob)
+            produced.append((request, token, log_prob))
+            reason = self._finish_reason(request, token, eos_ids)
+            if reason is not None:
+                self.running.remove(request)
+                self.finish(request, reason)
+        return produced
+
+    def _finish_reason(self, request: Request, token: int, eos_ids: set[int]) -> str | None:
+        if token in eos_ids and not request.params.ignore_eos:
+            return "eos_token"
+        if len(request.output_ids) >= request.params.max_new_tokens:
+            return "length"
+        if request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def fail(self, requests: list[Request]) -> None:
+        """Ends `requests` after a failed step (blocks freed); the batch goes on without them."""
+        for request in requests:
+            if request in self.running:
+                self.running.remove(request)
+            self.finish(request, "error")
+
+    def check_invariants(self) -> None:
+        self.blocks.check_invariants(self.running + list(self.waiting))
+        assert len(self.running) <= self.max_running
+        assert all(r.status == RUNNING for r in self.running)
+        assert all(r.status == WAITING and not r.block_ids for r in self.waiting)

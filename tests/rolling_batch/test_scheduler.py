@@ -1,0 +1,168 @@
+"""The rolling scheduler with a fake model (no torch): the prefill budget and the batch size
+hold every step, long prompts are chunked while decodes run, a tiny block pool forces
+preemptions that change no output, aborts free blocks at once. Every test ends with
+check_invariants()."""
+
+from __future__ import annotations
+
+import random
+
+from lmserve.rolling_batch.block_manager import BlockManager
+from lmserve.rolling_batch.protocol import GenerationParams
+from lmserve.rolling_batch.request import Request
+from lmserve.rolling_batch.scheduler import Scheduler
+
+EOS = 2
+
+
+def fake_next_token(tokens: list[int]) -> int:
+    """A deterministic 'model': the next token depends on the whole sequence."""
+    return 3 + (sum(t * (i + 1) for i, t in enumerate(tokens)) * 31) % 997
+
+
+def make_requests(count: int, seed: int = 0, max_new: tuple[int, int] = (1, 40)):
+    rng = random.Random(seed)
+    return [
+        Request(
+            f"r{i}",
+            [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 70))],
+            GenerationParams(max_new_tokens=rng.randrange(*max_new), ignore_eos=True),
+            arrival_time=float(i),
+        )
+        for i in range(count)
+    ]
+
+
+def run(scheduler: Scheduler, requests, on_step=None, arrivals_per_step: int = 3) -> dict:
+    pending = list(requests)
+    steps = 0
+    while pending or scheduler.has_work():
+        for _ in range(arrivals_per_step):  # requests keep arriving while others run
+            if pending:
+                scheduler.add(pending.pop(0))
+        out = scheduler.schedule()
+        sampled = [(fake_next_token(r.all_token_ids), -0.5) for r in out.sampling]
+        if on_step is not None:
+            on_step(out)
+        scheduler.update(out, sampled, {EOS})
+        scheduler.check_invariants()
+        steps += 1
+        assert steps < 10_000, "the scheduler stopped making progress"
+    return {r.request_id: list(r.output_ids) for r in requests}
+
+
+def expected_outputs(requests) -> dict:
+    outputs = {}
+    for request in requests:
+        tokens = list(request.prompt_ids)
+        for _ in range(request.params.max_new_tokens):
+            tokens.append(fake_next_token(tokens))
+        outputs[request.request_id] = tokens[len(request.prompt_ids) :]
+    return outputs
+
+
+def fresh(requests):
+    return [Request(r.request_id, list(r.prompt_ids), r.params, r.arrival_time) for r in requests]
+
+
+def test_budget_and_batch_size_hold_every_step_and_outputs_are_right():
+    requests = make_requests(30)
+    scheduler = Scheduler(
+        BlockManager(200, 16), max_running=8, max_prefill_tokens=64, max_model_len=512
+    )
+    seen_batch_sizes = set()
+
+    def check(out):
+        prefill = sum(
+            len(c.token_ids)
+            for r, c in zip(out.requests, out.chunks)
+            if len(c.token_ids) > 1 or c.num_computed < len(r.prompt_ids)
+        )
+        assert prefill <= 64
+        assert len(out.requests) <= 8
+        seen_batch_sizes.add(len(out.requests))
+
+    assert run(scheduler, requests, check) == expected_outputs(requests)
+    assert max(seen_batch_sizes) == 8
+    assert scheduler.blocks.num_free == 200
+
+
+def test_long_prompt_is_chunked_while_decodes_keep_running():
+    short = make_requests(3, seed=1, max_new=(30, 31))
+    long = Request(
+        "long", list(range(3, 203)), GenerationParams(max_new_tokens=5, ignore_eos=True), 9.0
+    )
+    scheduler = Scheduler(
+        BlockManager(100, 16), max_running=8, max_prefill_tokens=48, max_model_len=512
+    )
+    mixed_steps = []
+
+    def check(out):
+        chunks = dict(zip((r.request_id for r in out.requests), out.chunks))
+        if "long" in chunks and len(chunks["long"].token_ids) > 1:
+            decodes = [c for rid, c in chunks.items() if rid != "long" and len(c.token_ids) == 1]
+            mixed_steps.append(len(decodes))
+            assert len(chunks["long"].token_ids) <= 48
+
+    outputs = run(scheduler, short + [long], check, arrivals_per_step=4)
+    assert outputs == expected_outputs(short + [long])
+    assert len(mixed_steps) >= 200 // 48  # the prompt took several steps...
+    assert sum(mixed_steps) > 0  # ...during which the short requests kept decoding
+
+
+def test_tiny_block_pool_preempts_and_changes_no_output():
+    requests = make_requests(12, seed=2, max_new=(20, 60))
+    roomy = Scheduler(
+        BlockManager(500, 4), max_running=6, max_prefill_tokens=128, max_model_len=160
+    )
+    tight = Scheduler(BlockManager(40, 4), max_running=6, max_prefill_tokens=128, max_model_len=160)
+    assert run(tight, fresh(requests)) == run(roomy, fresh(requests)) == expected_outputs(requests)
+    assert tight.num_preemptions > 0 and roomy.num_preemptions == 0
+    assert tight.blocks.num_free == 40
+
+
+def test_paged_off_holds_one_max_length_block_per_request():
+    requests = make_requests(10, seed=3)
+    # Three blocks of max_model_len: at most three requests in flight whatever max_running says.
+    scheduler = Scheduler(
+        BlockManager(3, 128), max_running=8, max_prefill_tokens=256, max_model_len=128
+    )
+
+    def check(out):
+        assert len(scheduler.running) <= 3
+        assert all(len(r.block_ids) == 1 for r in scheduler.running)
+
+    assert run(scheduler, requests, check) == expected_outputs(requests)
+
+
+def test_abort_frees_blocks_at_once_wherever_the_request_is():
+    scheduler = Scheduler(
+        BlockManager(20, 4), max_running=1, max_prefill_tokens=64, max_model_len=64
+    )
+    running, queued = make_requests(2, seed=4, max_new=(30, 31))
+    scheduler.add(running)
+    scheduler.add(queued)
+    out = scheduler.schedule()
+    scheduler.update(out, [(7, -1.0)] * len(out.sampling), {EOS})
+    assert running.block_ids and scheduler.blocks.num_free < 20
+    assert scheduler.abort("r1").finish_reason == "abort"  # still waiting
+    assert scheduler.abort("r0") is running and running.block_ids == []
+    assert scheduler.blocks.num_free == 20 and not scheduler.has_work()
+    assert scheduler.abort("r0") is None
+    scheduler.check_invariants()
+
+
+def test_eos_ends_a_request_unless_ignored():
+    scheduler = Scheduler(
+        BlockManager(20, 4), max_running=4, max_prefill_tokens=64, max_model_len=64
+    )
+    stops = Request("stops", [5, 6], GenerationParams(max_new_tokens=10), 0.0)
+    ignores = Request("ignores", [5, 6], GenerationParams(max_new_tokens=3, ignore_eos=True), 0.0)
+    scheduler.add(stops)
+    scheduler.add(ignores)
+    while scheduler.has_work():
+        out = scheduler.schedule()
+        scheduler.update(out, [(EOS, -0.1)] * len(out.sampling), {EOS})
+        scheduler.check_invariants()
+    assert stops.output_ids == [EOS] and stops.finish_reason == "eos_token"
+    assert ignores.output_ids == [EOS] * 3 and ignores.finish_reason == "length"
