@@ -21,6 +21,7 @@ from pathlib import Path
 
 from lmserve.properties.config import ServingConfig
 from lmserve.rolling_batch import protocol
+from lmserve.rolling_batch.mpi_launch import rank_command
 from lmserve.rolling_batch.runtime import Runtime, read_state, write_state
 
 from . import gunicorn_conf
@@ -54,9 +55,7 @@ class Supervisor:
         runtime_path = self.runtime.write()
         write_state(self.runtime, protocol.STATE_LOADING, "loading the model")
         try:
-            self.engine = self._start(
-                [sys.executable, "-m", "lmserve.handlers.worker", str(runtime_path)]
-            )
+            self.engine = self._start(engine_command(self.runtime.config, runtime_path))
             self.http = self._start(self._gunicorn_command(runtime_path))
             return self._supervise()
         finally:
@@ -122,6 +121,14 @@ class Supervisor:
                 _stop_group(child)
 
 
+def engine_command(config: ServingConfig, runtime_path: Path) -> list[str]:
+    if config.engine == "MPI":
+        return rank_command(
+            config.tensor_parallel_degree, "lmserve.rolling_batch.worker", str(runtime_path)
+        )
+    return [sys.executable, "-m", "lmserve.handlers.worker", str(runtime_path)]
+
+
 def _stop_group(child: subprocess.Popen) -> None:
     """SIGTERM the child's whole process group, SIGKILL whatever outlives the timeout."""
     if child.poll() is None:
@@ -143,8 +150,6 @@ def unsupported_settings(config: ServingConfig) -> list[str]:
     """Settings this build accepts in the file but cannot serve yet: refused at start-up rather
     than silently ignored."""
     problems = []
-    if config.engine == "MPI":
-        problems.append("engine=MPI: the rolling-batch engine is not in this build; use Python")
     if config.entry_point is not None:
         problems.append(
             f"option.entryPoint={config.entry_point!r}: custom handlers are not supported yet"

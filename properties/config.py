@@ -56,6 +56,9 @@ class ServingConfig:
     max_rolling_batch_size: int
     max_rolling_batch_prefill_tokens: int
     paged_attention: bool
+    block_size: int
+    num_kv_blocks: int | None
+    cpu_kv_cache_fraction: float
     dtype: str
     max_model_len: int | None
     trust_remote_code: bool

@@ -148,6 +148,11 @@ SETTINGS: tuple[Setting, ...] = (
         ("MAX_BATCH_PREFILL_TOKENS",),
     ),
     Setting("option.paged_attention", "paged_attention", boolean, True),
+    Setting("option.block_size", "block_size", integer(1), 16),
+    # None: as many blocks as the memory budget holds; a number pins the pool (tests, tuning).
+    Setting("option.num_kv_blocks", "num_kv_blocks", integer(1), None),
+    # CPU only: the share of available RAM the KV cache may take (GPU: gpu_memory_utilization).
+    Setting("option.cpu_kv_cache_fraction", "cpu_kv_cache_fraction", real(0.0, 1.0), 0.25),
     Setting(
         "option.dtype",
         "dtype",

@@ -27,7 +27,23 @@ class RuntimeOptions:
     max_num_seqs: int = 64  # sequences whose KV the cache must be able to hold at once
     cpu_kv_cache_fraction: float = 0.25  # share of available RAM for the KV cache on CPU
     gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # pins the pool instead of the memory budget
     trust_remote_code: bool = False
+
+    @classmethod
+    def from_config(cls, config) -> RuntimeOptions:
+        """The engine options of a ServingConfig."""
+        return cls(
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            paged_attention=config.paged_attention,
+            block_size=config.block_size,
+            max_num_seqs=config.max_rolling_batch_size,
+            cpu_kv_cache_fraction=config.cpu_kv_cache_fraction,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            num_kv_blocks=config.num_kv_blocks,
+            trust_remote_code=config.trust_remote_code,
+        )
 
 
 def pick_device(rank: int) -> torch.device:
@@ -66,6 +82,9 @@ def build_runner(
         device, options.gpu_memory_utilization, options.cpu_kv_cache_fraction, ranks_here
     )
     useful = options.max_num_seqs * -(-max_model_len // block_size)
+    if options.num_kv_blocks is not None:
+        budget = options.num_kv_blocks * shape.bytes_per_block
+        useful = options.num_kv_blocks
     num_blocks = kv_cache.plan_num_blocks(shape, budget, useful)
     log.info(
         "rank %d: %s on %s, KV cache %d blocks x %d tokens (%.0f MiB of a %.0f MiB budget)",

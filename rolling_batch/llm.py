@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import weakref
@@ -29,6 +28,7 @@ from . import protocol
 from .engine_setup import RuntimeOptions, build_runner
 from .layers.parallel import TensorParallelGroup
 from .model_source import local_model_path
+from .mpi_launch import rank_command
 from .static_generation import generate_greedy
 
 log = logging.getLogger(__name__)
@@ -143,15 +143,6 @@ class _InProcessEngine:
         self.runner = None
 
 
-def mpiexec_path() -> str:
-    """The mpiexec beside this Python (the `mpich` wheel puts it in the venv), else PATH's."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if found is None:
-        raise RuntimeError("tensor_parallel_degree > 1 needs mpiexec: pip install mpich mpi4py")
-    return found
-
-
 class _MPIEngine:
     """Drives `mpiexec -n N` ranks running `mpi_worker`; replies come from rank 0."""
 
@@ -162,17 +153,7 @@ class _MPIEngine:
         self._ipc_dir = tempfile.mkdtemp(prefix="lmserve-llm-")
         address = f"ipc://{self._ipc_dir}/rank0.sock"
         settings = {"model_path": str(model_path), "options": asdict(options), "address": address}
-        command = [
-            mpiexec_path(),
-            "-n",
-            str(ranks),
-            sys.executable,
-            "-m",
-            "mpi4py",
-            "-m",
-            "lmserve.rolling_batch.mpi_worker",
-            json.dumps(settings),
-        ]
+        command = rank_command(ranks, "lmserve.rolling_batch.mpi_worker", json.dumps(settings))
         self._process = subprocess.Popen(command, start_new_session=True)
         # An LLM dropped without close() (or an interpreter exiting) still stops its ranks.
         self._finalizer = weakref.finalize(self, _kill_ranks, self._process, self._ipc_dir)

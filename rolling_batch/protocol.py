@@ -20,8 +20,10 @@ STATE_FILE = "state.json"
 OP_GENERATE = "generate"
 OP_ABORT = "abort"
 OP_STATS = "stats"
+OP_COUNT_RESPONSE = "count_response"  # the front end's HTTP status of a finished request
 
 # engine -> front end
+KIND_TOKEN = "token"  # one more token of a request still running (rolling engine)
 KIND_FINAL = "final"
 KIND_ERROR = "error"
 KIND_STATS = "stats"

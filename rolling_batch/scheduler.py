@@ -134,14 +134,17 @@ class Scheduler:
             SequenceChunk(tuple(tokens), start, tuple(request.block_ids), needs_logits)
         )
 
-    def update(self, out: SchedulerOutput, sampled: list[tuple[int, float]], eos_ids: set[int]):
-        """Records this step: computed tokens advance, sampled tokens are appended, finished
-        requests leave the batch and free their blocks. Returns (request, token, log_prob)
-        for every sampled token."""
+    def update(self, out: SchedulerOutput, sampled: dict, eos_ids: set[int]):
+        """Records this step: computed tokens advance, sampled tokens (`{request: (token,
+        log_prob)}`) are appended, finished requests leave the batch and free their blocks.
+        Returns (request, token, log_prob) for every sampled token."""
         for request, chunk in zip(out.requests, out.chunks):
             request.num_computed_tokens += len(chunk.token_ids)
         produced = []
-        for request, (token, log_prob) in zip(out.sampling, sampled):
+        for request in out.sampling:
+            if request not in sampled:  # failed while sampling: already finished
+                continue
+            token, log_prob = sampled[request]
             request.output_ids.append(token)
             request.output_log_probs.append(log_prob)
             produced.append((request, token, log_prob))

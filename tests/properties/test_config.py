@@ -56,6 +56,9 @@ CONTRACT_DEFAULTS = {
     "max_rolling_batch_size": 32,
     "max_rolling_batch_prefill_tokens": 4096,
     "paged_attention": True,
+    "block_size": 16,
+    "num_kv_blocks": None,
+    "cpu_kv_cache_fraction": 0.25,
     "dtype": "auto",
     "max_model_len": None,  # the model's max positions
     "trust_remote_code": False,

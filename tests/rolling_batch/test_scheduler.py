@@ -41,7 +41,7 @@ def run(scheduler: Scheduler, requests, on_step=None, arrivals_per_step: int = 3
             if pending:
                 scheduler.add(pending.pop(0))
         out = scheduler.schedule()
-        sampled = [(fake_next_token(r.all_token_ids), -0.5) for r in out.sampling]
+        sampled = {r: (fake_next_token(r.all_token_ids), -0.5) for r in out.sampling}
         if on_step is not None:
             on_step(out)
         scheduler.update(out, sampled, {EOS})
@@ -143,7 +143,7 @@ def test_abort_frees_blocks_at_once_wherever_the_request_is():
     scheduler.add(running)
     scheduler.add(queued)
     out = scheduler.schedule()
-    scheduler.update(out, [(7, -1.0)] * len(out.sampling), {EOS})
+    scheduler.update(out, dict.fromkeys(out.sampling, (7, -1.0)), {EOS})
     assert running.block_ids and scheduler.blocks.num_free < 20
     assert scheduler.abort("r1").finish_reason == "abort"  # still waiting
     assert scheduler.abort("r0") is running and running.block_ids == []
@@ -162,7 +162,7 @@ def test_eos_ends_a_request_unless_ignored():
     scheduler.add(ignores)
     while scheduler.has_work():
         out = scheduler.schedule()
-        scheduler.update(out, [(EOS, -0.1)] * len(out.sampling), {EOS})
+        scheduler.update(out, dict.fromkeys(out.sampling, (EOS, -0.1)), {EOS})
         scheduler.check_invariants()
     assert stops.output_ids == [EOS] and stops.finish_reason == "eos_token"
     assert ignores.output_ids == [EOS] * 3 and ignores.finish_reason == "length"

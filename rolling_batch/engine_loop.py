@@ -1,0 +1,185 @@
+"""Rank 0's loop for engine=MPI: the rolling batch, as DESIGN.md draws it.
+
+    loop:
+      drain new requests and aborts from the socket into the scheduler
+      out = scheduler.schedule()
+      logits = execute(out.chunks)          # broadcast to every rank, all run the model
+      sampled = sampler.sample(logits)      # rank 0 only
+      events = scheduler.update(out, sampled)
+      send(events)
+
+A request that cannot be sampled fails alone. A failed model step fails the requests in it and
+the loop goes on, except with several ranks: then the ranks may be out of step, so the error
+propagates and the job ends (the supervisor answers everyone and restarts or exits).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+
+from . import protocol
+from .engine_stats import EngineStats
+from .protocol import GenerationParams
+from .request import Request
+from .sampler import Sampler
+from .scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger("lmserve.engine")
+
+_IDLE_POLL_MS = 100
+
+
+class RollingEngine:
+    def __init__(
+        self,
+        execute: Callable,
+        scheduler: Scheduler,
+        sampler: Sampler,
+        socket: zmq.Socket,
+        eos_token_ids: set[int],
+        max_waiting: int,
+        world_size: int = 1,
+    ):
+        self.execute = execute
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.socket = socket
+        self.eos_token_ids = eos_token_ids
+        self.max_waiting = max_waiting
+        self.world_size = world_size
+        self.stats = EngineStats()
+        blocks = scheduler.blocks
+        self.capacity_tokens = min(blocks.num_blocks * blocks.block_size, scheduler.max_model_len)
+
+    def run_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        while True:
+            busy = self.scheduler.has_work()
+            if poller.poll(0 if busy else _IDLE_POLL_MS):
+                self._drain_socket()
+            if self.scheduler.has_work():
+                self.step()
+
+    def step(self) -> None:
+        out = self.scheduler.schedule()
+        if not out.requests:
+            return
+        try:
+            logits = self.execute(out.chunks)
+        except Exception as error:
+            if self.world_size > 1:
+                raise  # the other ranks may be inside a collective: end the job
+            log.exception("model step failed; failing its %d requests", len(out.requests))
+            self._fail(out.requests, 424, f"model step failed: {error!r}")
+            return
+        sampled, failed = self.sampler.sample(logits, out.sampling)
+        for request, error in failed:
+            self._fail([request], 424, f"sampling failed: {error}")
+        before = len(self.scheduler.running)
+        produced = self.scheduler.update(out, sampled, self.eos_token_ids)
+        self._count_step(out, before, produced)
+        for request, token, log_prob in produced:
+            self._emit(request, token, log_prob, len(out.requests))
+
+    def _emit(self, request: Request, token: int, log_prob: float, batch_size: int) -> None:
+        now = time.monotonic()
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.stats.time_to_first_token.observe(now - request.arrival_time)
+        else:
+            self.stats.time_per_token.observe(now - request.last_token_time)
+        request.last_token_time = now
+        self.stats.tokens_generated += 1
+        if request.finish_reason is None:
+            event = {
+                "kind": protocol.KIND_TOKEN,
+                "id": request.request_id,
+                "token_ids": [token],
+                "log_probs": [log_prob],
+            }
+        else:
+            self.stats.finished[request.finish_reason] += 1
+            self.sampler.forget(request.request_id)
+            event = protocol.final_event(
+                request.request_id, [token], [log_prob], request.finish_reason, batch_size
+            )
+        self._send(request.reply_to, event)
+
+    def _count_step(self, out: SchedulerOutput, running_before: int, produced) -> None:
+        self.stats.num_steps += 1
+        if out.num_joined and running_before > out.num_joined:
+            self.stats.num_steps_with_joins += 1
+        finished = sum(1 for request, _, _ in produced if request.finish_reason is not None)
+        if finished and len(self.scheduler.running) > 0:
+            self.stats.num_steps_with_leaves += 1
+
+    def _fail(self, requests: list[Request], status: int, message: str) -> None:
+        self.scheduler.fail(requests)
+        for request in requests:
+            self.stats.finished["error"] += 1
+            self.sampler.forget(request.request_id)
+            self._send(request.reply_to, protocol.error_event(request.request_id, status, message))
+
+    def _drain_socket(self) -> None:
+        while True:
+            try:
+                identity, frame = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(identity, protocol.unpack(frame))
+            except (ValueError, KeyError, TypeError) as error:
+                log.error("dropping malformed IPC message: %s", error)
+
+    def _handle(self, identity: bytes, message: dict) -> None:
+        op, request_id = message["op"], message.get("id", "")
+        if op == protocol.OP_GENERATE:
+            self._admit(identity, request_id, message)
+        elif op == protocol.OP_ABORT:
+            if self.scheduler.abort(request_id) is not None:
+                self.stats.finished["abort"] += 1
+                self.sampler.forget(request_id)
+        elif op == protocol.OP_STATS:
+            self._send(
+                identity, {"kind": protocol.KIND_STATS, "id": request_id, "stats": self.snapshot()}
+            )
+        elif op == protocol.OP_COUNT_RESPONSE:
+            self.stats.http_responses[message["status"]] += 1
+
+    def _admit(self, identity: bytes, request_id: str, message: dict) -> None:
+        params = GenerationParams(**message["params"])
+        prompt_ids = message["prompt_ids"]
+        needed = len(prompt_ids) + params.max_new_tokens
+        if needed > self.capacity_tokens:
+            reason = (
+                f"prompt + max_new_tokens = {needed} tokens; the KV cache holds at most"
+                f" {self.capacity_tokens} for one request"
+            )
+            self._send(identity, protocol.error_event(request_id, 400, reason))
+            return
+        if len(self.scheduler.waiting) >= self.max_waiting:
+            reason = f"job queue full ({self.max_waiting} requests waiting; job_queue_size)"
+            self._send(identity, protocol.error_event(request_id, 503, reason))
+            return
+        request = Request(request_id, prompt_ids, params, time.monotonic(), reply_to=identity)
+        self.scheduler.add(request)
+
+    def snapshot(self) -> dict:
+        blocks = self.scheduler.blocks
+        return {
+            **self.stats.to_dict(),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "kv_blocks_total": blocks.num_blocks,
+            "kv_blocks_free": blocks.num_free,
+            "kv_blocks_used": blocks.num_blocks - blocks.num_free,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+    def _send(self, identity: bytes, event: dict) -> None:
+        self.socket.send_multipart([identity, protocol.pack(event)])

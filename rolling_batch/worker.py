@@ -1,0 +1,92 @@
+"""engine=MPI: every rank of `mpiexec -n TP python -m mpi4py -m lmserve.rolling_batch.worker
+RUNTIME_JSON`. All ranks load their shard of the model; rank 0 owns the engine socket and runs
+the rolling batch, the others follow its steps. Ranks > 0 never talk to the front end."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import zmq
+
+from . import protocol
+from .block_manager import BlockManager
+from .engine_loop import RollingEngine
+from .engine_setup import RuntimeOptions, build_runner
+from .mpi_worker import StepBroadcaster, follow, make_group
+from .runtime import Runtime, write_state
+from .sampler import Sampler
+from .scheduler import Scheduler
+
+
+def eos_token_ids(model_path: str) -> set[int]:
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        return set()
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)
+
+
+def main() -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s engine rank{rank} %(levelname)s %(message)s"
+    )
+    runtime = Runtime.read(sys.argv[1])
+    config = runtime.config
+    try:
+        group = make_group(comm)
+        runner, _, max_model_len = build_runner(
+            runtime.model_path, RuntimeOptions.from_config(config), group, comm.Get_size()
+        )
+    except Exception as error:
+        if rank == 0:
+            write_state(runtime, protocol.STATE_FAILED, f"model failed to load: {error!r}"[:2000])
+        raise
+    if rank != 0:
+        follow(runner, comm)
+        return
+    scheduler = Scheduler(
+        BlockManager(runner.num_blocks, runner.block_size),
+        max_running=config.max_rolling_batch_size,
+        max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
+        max_model_len=max_model_len,
+    )
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    socket.bind(runtime.engine_address)
+    dtype = str(next(runner.model.parameters()).dtype).removeprefix("torch.")
+    logging.getLogger("lmserve.engine").info(
+        "engine=MPI model %s: %d rank(s), dtype=%s device=%s, max_rolling_batch_size=%d"
+        " max_rolling_batch_prefill_tokens=%d paged_attention=%s, KV cache %d blocks x %d tokens",
+        runtime.model_name,
+        comm.Get_size(),
+        dtype,
+        runner.device,
+        config.max_rolling_batch_size,
+        config.max_rolling_batch_prefill_tokens,
+        config.paged_attention,
+        runner.num_blocks,
+        runner.block_size,
+    )
+    write_state(runtime, protocol.STATE_READY, dtype=dtype, device=str(runner.device))
+    engine = RollingEngine(
+        StepBroadcaster(runner, comm),
+        scheduler,
+        Sampler(runner.device),
+        socket,
+        eos_token_ids(runtime.model_path),
+        max_waiting=config.job_queue_size,
+        world_size=comm.Get_size(),
+    )
+    engine.run_forever()
+
+
+if __name__ == "__main__":
+    main()
