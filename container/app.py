@@ -15,15 +15,18 @@ from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from lmserve.handlers.request_parsing import BadRequest, parse_body
+from lmserve.handlers.stream_format import StreamFormat
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
 
+from . import metrics
 from .engine_client import EngineClient
 from .predictor import PredictionError, Predictor
 
 log = logging.getLogger("lmserve.http")
 
 _STATS_TIMEOUT_S = 5.0
+_INFERENCE_ROUTES = ("invocations", "predictions")
 
 
 def create_app(runtime_path: str) -> Flask:
@@ -41,6 +44,9 @@ def create_app(runtime_path: str) -> Flask:
     @app.after_request
     def tag_response(response: Response) -> Response:
         response.headers["x-request-id"] = g.get("request_id") or uuid.uuid4().hex
+        if request.endpoint in _INFERENCE_ROUTES:
+            # Counted in the engine so every gunicorn worker's /metrics agrees.
+            client.notify({"op": protocol.OP_COUNT_RESPONSE, "status": response.status_code})
         return response
 
     @app.errorhandler(HTTPException)
@@ -94,13 +100,31 @@ def create_app(runtime_path: str) -> Flask:
             return _error(status, f"model {name} is not ready: {state.get('reason', '')}")
         try:
             parsed = parse_body(request.get_data(cache=False), request.content_type)
-            return jsonify(predictor.predict(parsed, g.request_id))
+            stream_kind = _stream_kind(parsed.stream)
+            if stream_kind is None:
+                return jsonify(predictor.predict(parsed, g.request_id))
+            fmt = StreamFormat(stream_kind, runtime.config.tgi_compat)
+            lines = predictor.stream(parsed, g.request_id, fmt)
+            return Response(lines, mimetype=fmt.content_type)
         except BadRequest as error:
             return _error(error.status, str(error), field=error.field)
         except PredictionError as error:
             if error.status == 424:
                 return _error(424, "prediction failure", error=error.message)
             return _error(error.status, error.message)
+
+    def _stream_kind(asked: bool) -> str | None:
+        """jsonlines or sse when the request or option.output_formatter asks to stream."""
+        formatter = runtime.config.output_formatter
+        if formatter in ("jsonlines", "sse"):
+            return formatter
+        return "jsonlines" if asked else None
+
+    @app.get("/metrics")
+    def prometheus_metrics():
+        state = client.state()
+        body = metrics.render(_engine_stats(state), name)
+        return Response(body, mimetype="text/plain; version=0.0.4")
 
     def _describe(detailed: bool) -> dict:
         state = client.state()

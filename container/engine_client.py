@@ -53,6 +53,10 @@ class EngineClient:
         if abort:
             self._send({"op": protocol.OP_ABORT, "id": request_id})
 
+    def notify(self, message: dict) -> None:
+        """Sends a message that gets no reply."""
+        self._send(message)
+
     def _send(self, message: dict) -> None:
         self._outbox.put(protocol.pack(message))
         os.write(self._wake_write, b"x")

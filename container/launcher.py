@@ -154,9 +154,9 @@ def unsupported_settings(config: ServingConfig) -> list[str]:
         problems.append(
             f"option.entryPoint={config.entry_point!r}: custom handlers are not supported yet"
         )
-    if config.output_formatter != "json":
+    if config.output_formatter not in ("json", "jsonlines", "sse"):
         problems.append(
-            f"option.output_formatter={config.output_formatter!r}: only json is served"
-            " by engine=Python"
+            f"option.output_formatter={config.output_formatter!r}: formatter functions from"
+            " model.py are not supported yet (json, jsonlines, sse are)"
         )
     return problems

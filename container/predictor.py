@@ -1,17 +1,21 @@
 """One inference request, start to finish, on the front end: tokenize and check the prompt
-against the context, send each input to the engine, wait for its final event, shape the reply.
-Every accepted request ends in exactly one answer: the outputs, or one error."""
+against the context, send each input to the engine, follow its events (token events from the
+rolling engine, one final event from either engine), shape the reply or the stream. Every
+accepted request ends in exactly one answer: the outputs, or one error."""
 
 from __future__ import annotations
 
 import json
 import queue
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmserve.handlers.outputs import complete, shape_response, to_json
+from lmserve.handlers.detokenizer import IncrementalDetokenizer
+from lmserve.handlers.outputs import Completion, complete, shape_response, to_json
 from lmserve.handlers.request_parsing import BadRequest, TextRequest
+from lmserve.handlers.stream_format import StreamFormat
 from lmserve.handlers.tokenizer import Tokenizer
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
@@ -23,6 +27,21 @@ from .engine_client import EngineClient
 class PredictionError(Exception):
     status: int
     message: str
+
+
+@dataclass
+class _Generation:
+    """What the engine produced for one prompt so far."""
+
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, event: dict) -> None:
+        self.token_ids += event["token_ids"]
+        self.log_probs += event["log_probs"]
+        if event["kind"] == protocol.KIND_FINAL:
+            self.finish_reason = event["finish_reason"]
 
 
 def max_model_len(runtime: Runtime) -> int:
@@ -44,40 +63,117 @@ class Predictor:
         self.max_model_len = max_model_len(runtime)
 
     def predict(self, request: TextRequest, request_id: str) -> dict | list:
-        prompts = [self._prompt_ids(text, request) for text in request.inputs]
-        events = self._generate(prompts, request, request_id)
-        config = self.runtime.config
-        outputs = []
-        for text, event in zip(request.inputs, events):
-            completion = complete(
-                self.tokenizer,
-                text,
-                event["token_ids"],
-                event["log_probs"],
-                event["finish_reason"],
-                request.stop_sequences,
-            )
-            outputs.append(
-                to_json(
-                    completion,
-                    self.tokenizer,
-                    request.details,
-                    request.return_full_text,
-                    config.tgi_compat,
-                )
-            )
-        return shape_response(outputs, request.batched, config.tgi_compat)
+        prompts = [self.prompt_ids(text, request.params.max_new_tokens) for text in request.inputs]
+        engine_ids = [f"{request_id}/{index}" for index in range(len(prompts))]
+        queues = [
+            self.client.submit(protocol.generate_message(i, p, request.params))
+            for i, p in zip(engine_ids, prompts)
+        ]
+        deadline = self._deadline()
+        finished: set[str] = set()
+        try:
+            generations = []
+            for engine_id, events in zip(engine_ids, queues):
+                generation = _Generation()
+                while generation.finish_reason is None:
+                    generation.add(self._next_event(events, deadline))
+                finished.add(engine_id)
+                generations.append(generation)
+        finally:
+            for engine_id in engine_ids:
+                self.client.finish(engine_id, abort=engine_id not in finished)
+        outputs = [
+            self._output(text, generation, request)
+            for text, generation in zip(request.inputs, generations)
+        ]
+        return shape_response(outputs, request.batched, self.runtime.config.tgi_compat)
 
-    def _prompt_ids(self, text: str, request: TextRequest) -> list[int]:
+    def stream(self, request: TextRequest, request_id: str, fmt: StreamFormat) -> Iterator[str]:
+        """Submits the request and waits for its first event, so that a refusal (queue full,
+        too long) is still an ordinary error response; then returns the event stream."""
+        if request.batched:
+            raise BadRequest("inputs", "streaming takes one input, not a list")
+        prompt_ids = self.prompt_ids(request.inputs[0], request.params.max_new_tokens)
+        engine_id = f"{request_id}/0"
+        events = self.client.submit(
+            protocol.generate_message(engine_id, prompt_ids, request.params)
+        )
+        deadline = self._deadline()
+        try:
+            first = self._next_event(events, deadline)
+        except PredictionError:
+            self.client.finish(engine_id, abort=True)
+            raise
+        return self._stream_events(request, engine_id, events, first, deadline, fmt)
+
+    def _stream_events(self, request, engine_id, events, event, deadline, fmt) -> Iterator[str]:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.stop_sequences)
+        generation = _Generation()
+        done = False
+        try:
+            while True:
+                generation.add(event)
+                done = generation.finish_reason is not None
+                for index, (token, log_prob) in enumerate(
+                    zip(event["token_ids"], event["log_probs"])
+                ):
+                    text = detokenizer.add(token)
+                    last = detokenizer.stopped or (done and index == len(event["token_ids"]) - 1)
+                    if last:
+                        text += detokenizer.finish()
+                        generation.finish_reason = generation.finish_reason or "stop_sequence"
+                    final = self._stream_final(request, generation, detokenizer) if last else None
+                    yield fmt.token(
+                        token, text, log_prob, token in self.tokenizer.special_ids, final
+                    )
+                    if last:
+                        done = True
+                        return
+                event = self._next_event(events, deadline)
+        except PredictionError as error:
+            done = True  # the engine already dropped it
+            yield fmt.error(error.status, error.message)
+        finally:
+            # A client that went away (or a stop sequence) ends the request in the engine too.
+            self.client.finish(engine_id, abort=not done or detokenizer.stopped)
+
+    def _stream_final(self, request, generation: _Generation, detokenizer) -> dict:
+        reason = "stop_sequence" if detokenizer.stopped else generation.finish_reason
+        completion = Completion(
+            request.inputs[0],
+            detokenizer.text,
+            detokenizer.token_ids,
+            generation.log_probs[: len(detokenizer.token_ids)],
+            reason,
+        )
+        config = self.runtime.config
+        return to_json(
+            completion, self.tokenizer, request.details, request.return_full_text, config.tgi_compat
+        )
+
+    def _output(self, text: str, generation: _Generation, request: TextRequest) -> dict:
+        completion = complete(
+            self.tokenizer,
+            text,
+            generation.token_ids,
+            generation.log_probs,
+            generation.finish_reason,
+            request.stop_sequences,
+        )
+        config = self.runtime.config
+        return to_json(
+            completion, self.tokenizer, request.details, request.return_full_text, config.tgi_compat
+        )
+
+    def prompt_ids(self, text: str, max_new_tokens: int, field: str = "inputs") -> list[int]:
         prompt_ids = self.tokenizer.encode(text)
         limit = self.max_model_len
         if not prompt_ids:
-            raise BadRequest("inputs", "the prompt is empty (no tokens)")
+            raise BadRequest(field, "the prompt is empty (no tokens)")
         if len(prompt_ids) >= limit:
             raise BadRequest(
-                "inputs", f"the prompt has {len(prompt_ids)} tokens; the context is {limit} tokens"
+                field, f"the prompt has {len(prompt_ids)} tokens; the context is {limit} tokens"
             )
-        max_new_tokens = request.params.max_new_tokens
         if len(prompt_ids) + max_new_tokens > limit:
             raise BadRequest(
                 "parameters.max_new_tokens",
@@ -86,33 +182,18 @@ class Predictor:
             )
         return prompt_ids
 
-    def _generate(self, prompts: list[list[int]], request: TextRequest, request_id: str):
-        ids = [f"{request_id}/{index}" for index in range(len(prompts))]
-        queues = [
-            self.client.submit(protocol.generate_message(i, p, request.params))
-            for i, p in zip(ids, prompts)
-        ]
-        deadline = time.monotonic() + self.runtime.config.predict_timeout
-        finished: set[str] = set()
-        try:
-            events = []
-            for engine_id, events_queue in zip(ids, queues):
-                event = self._wait(events_queue, deadline)
-                finished.add(engine_id)
-                if event["kind"] == protocol.KIND_ERROR:
-                    raise PredictionError(event["status"], event["message"])
-                events.append(event)
-            return events
-        finally:
-            for engine_id in ids:
-                self.client.finish(engine_id, abort=engine_id not in finished)
+    def _deadline(self) -> float:
+        return time.monotonic() + self.runtime.config.predict_timeout
 
-    def _wait(self, events_queue: queue.SimpleQueue, deadline: float) -> dict:
+    def _next_event(self, events: queue.SimpleQueue, deadline: float) -> dict:
         try:
-            return events_queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            event = events.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             raise PredictionError(
                 424,
                 f"prediction timed out after {self.runtime.config.predict_timeout} s"
                 " (option.predict_timeout)",
             ) from None
+        if event["kind"] == protocol.KIND_ERROR:
+            raise PredictionError(event["status"], event["message"])
+        return event

@@ -1,8 +1,8 @@
 """An engine's final token ids -> the JSON a client gets (DJL shape, or TGI's with tgi_compat).
 
 Stop sequences are applied here, on the detokenized text, because the engine deals in token ids:
-the text ends with the first stop sequence (kept, as TGI keeps it), the token list with the token
-that completed it, and finish_reason becomes "stop_sequence".
+the text ends right before the first stop sequence (removed, as vLLM and LMI do), the token list
+with the token that completed it, and finish_reason becomes "stop_sequence".
 """
 
 from __future__ import annotations
@@ -30,18 +30,14 @@ def complete(
     stop_sequences: tuple[str, ...],
 ) -> Completion:
     text = tokenizer.decode(token_ids)
-    stop_end = _first_stop_end(text, stop_sequences)
-    if stop_end is None:
+    found = [(text.find(s), len(s)) for s in stop_sequences if s in text]
+    if not found:
         return Completion(prompt, text, token_ids, log_probs, finish_reason)
-    num_tokens = _tokens_covering(tokenizer, token_ids, stop_end)
+    start, length = min(found)
+    num_tokens = _tokens_covering(tokenizer, token_ids, start + length)
     return Completion(
-        prompt, text[:stop_end], token_ids[:num_tokens], log_probs[:num_tokens], "stop_sequence"
+        prompt, text[:start], token_ids[:num_tokens], log_probs[:num_tokens], "stop_sequence"
     )
-
-
-def _first_stop_end(text: str, stop_sequences: tuple[str, ...]) -> int | None:
-    ends = [text.find(s) + len(s) for s in stop_sequences if s in text]
-    return min(ends) if ends else None
 
 
 def _tokens_covering(tokenizer: Tokenizer, token_ids: list[int], num_chars: int) -> int:

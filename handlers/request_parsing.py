@@ -64,14 +64,14 @@ def parse_payload(payload: dict[str, Any]) -> TextRequest:
     stream = payload.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream", "expected true or false")
-    if stream:
-        raise BadRequest("stream", "streaming is not available with engine=Python")
     parameters = payload.get("parameters", {})
     if parameters is None:
         parameters = {}
     if not isinstance(parameters, dict):
         raise BadRequest("parameters", "expected a JSON object")
-    return TextRequest(inputs=items, batched=batched, **_parse_parameters(parameters))
+    return TextRequest(
+        inputs=items, batched=batched, stream=stream, **_parse_parameters(parameters)
+    )
 
 
 def _parse_parameters(raw: dict[str, Any]) -> dict[str, Any]:

@@ -87,7 +87,7 @@ def test_unknown_parameters_are_ignored_with_a_warning(caplog):
         ),
         ({"inputs": "x", "parameters": {"top_n_tokens": 3}}, "parameters.top_n_tokens"),
         ({"inputs": "x", "parameters": {"stop_sequences": [""]}}, "parameters.stop_sequences"),
-        ({"inputs": "x", "stream": True}, "stream"),
+        ({"inputs": "x", "stream": 1}, "stream"),
         ({"inputs": None}, "inputs"),
     ],
 )

@@ -1,0 +1,74 @@
+"""Prometheus text exposition of the engine's stats (requests, queue, running, KV blocks,
+tokens, time to first token and per-token latency). The engine keeps the numbers, so every
+gunicorn worker reports the same ones."""
+
+from __future__ import annotations
+
+_PREFIX = "lmserve_"
+
+
+def render(stats: dict | None, model_name: str) -> str:
+    lines: list[str] = []
+    label = f'model="{model_name}"'
+    if not stats:
+        lines += _metric("up", "gauge", "1 when the engine answered", [(label, 0)])
+        return "\n".join(lines) + "\n"
+    lines += _metric("up", "gauge", "1 when the engine answered", [(label, 1)])
+    responses = stats.get("http_responses", {})
+    lines += _metric(
+        "requests_total",
+        "counter",
+        "inference requests answered, by HTTP status",
+        [(f'{label},status="{status}"', n) for status, n in sorted(responses.items())],
+    )
+    finished = stats.get("finished", {})
+    lines += _metric(
+        "engine_requests_finished_total",
+        "counter",
+        "requests that left the engine, by finish reason",
+        [(f'{label},reason="{reason}"', n) for reason, n in sorted(finished.items())],
+    )
+    gauges = {
+        "num_waiting": "requests waiting for the running batch",
+        "num_running": "requests in the running batch",
+        "kv_blocks_used": "KV cache blocks in use",
+        "kv_blocks_free": "KV cache blocks free",
+        "num_queued": "requests waiting for a dynamic batch",
+    }
+    for key, help_text in gauges.items():
+        if key in stats:
+            lines += _metric(key, "gauge", help_text, [(label, stats[key])])
+    counters = {
+        "tokens_generated": "tokens generated",
+        "num_preemptions": "requests preempted for KV blocks",
+        "num_steps": "rolling-batch steps run",
+    }
+    for key, help_text in counters.items():
+        if key in stats:
+            lines += _metric(f"{key}_total", "counter", help_text, [(label, stats[key])])
+    for key, help_text in (
+        ("time_to_first_token_seconds", "time from arrival to the first token"),
+        ("time_per_output_token_seconds", "time between consecutive tokens of a request"),
+    ):
+        if key in stats:
+            lines += _histogram(key, help_text, label, stats[key])
+    return "\n".join(lines) + "\n"
+
+
+def _metric(name: str, kind: str, help_text: str, samples) -> list[str]:
+    full = _PREFIX + name
+    lines = [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
+    lines += [f"{full}{{{labels}}} {value}" for labels, value in samples]
+    return lines
+
+
+def _histogram(name: str, help_text: str, label: str, histogram: dict) -> list[str]:
+    full = _PREFIX + name
+    lines = [f"# HELP {full} {help_text}", f"# TYPE {full} histogram"]
+    cumulative = 0
+    for bound, count in zip(histogram["buckets"] + ["+Inf"], histogram["counts"]):
+        cumulative += count
+        lines.append(f'{full}_bucket{{{label},le="{bound}"}} {cumulative}')
+    lines.append(f"{full}_sum{{{label}}} {histogram['sum']}")
+    lines.append(f"{full}_count{{{label}}} {histogram['count']}")
+    return lines
