@@ -100,7 +100,7 @@ def create_app(runtime_path: str) -> Flask:
             return _error(status, f"model {name} is not ready: {state.get('reason', '')}")
         try:
             parsed = parse_body(request.get_data(cache=False), request.content_type)
-            stream_kind = _stream_kind(parsed.stream)
+            stream_kind = _stream_kind(parsed.stream, request.headers.get("Accept", ""))
             if stream_kind is None:
                 return jsonify(predictor.predict(parsed, g.request_id))
             fmt = StreamFormat(stream_kind, runtime.config.tgi_compat)
@@ -113,12 +113,15 @@ def create_app(runtime_path: str) -> Flask:
                 return _error(424, "prediction failure", error=error.message)
             return _error(error.status, error.message)
 
-    def _stream_kind(asked: bool) -> str | None:
-        """jsonlines or sse when the request or option.output_formatter asks to stream."""
+    def _stream_kind(asked: bool, accept: str) -> str | None:
+        """jsonlines or sse when option.output_formatter or the request asks to stream; a
+        streaming request that accepts text/event-stream gets SSE."""
         formatter = runtime.config.output_formatter
         if formatter in ("jsonlines", "sse"):
             return formatter
-        return "jsonlines" if asked else None
+        if not asked:
+            return None
+        return "sse" if "text/event-stream" in accept else "jsonlines"
 
     @app.get("/metrics")
     def prometheus_metrics():

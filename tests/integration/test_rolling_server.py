@@ -1,0 +1,101 @@
+"""engine=MPI end to end: `lmserve serve` with two real MPI ranks (tensor parallel) serving
+SmolLM2 with rolling batching. 24 concurrent greedy requests of different prompt lengths and
+max_new_tokens each equal HF's greedy output; the same with paged attention off and with a
+block pool small enough to force preemption."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
+from ..servers import Server, write_properties
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls watch it".split()
+ROLLING = {
+    "engine": "MPI",
+    "option.tensor_parallel_degree": 2,
+    "option.max_rolling_batch_size": 8,
+    "option.max_model_len": 256,
+    "option.dtype": "fp32",  # the reference is HF's fp32 greedy output
+}
+
+
+def make_requests(count: int = 24):
+    rng = random.Random(7)
+    requests_ = []
+    for index in range(count):
+        words = [rng.choice(WORDS) for _ in range(rng.randrange(1, 40))]
+        requests_.append((f"Story {index}: " + " ".join(words), rng.randrange(1, 97)))
+    return requests_
+
+
+@pytest.fixture(scope="module")
+def workload(smollm2_dir):
+    """The requests and HF's greedy answer to each, run alone."""
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    cases = []
+    for prompt, max_new in make_requests():
+        expected, logits = hf_greedy_alone(model, tokenizer(prompt)["input_ids"], max_new)
+        cases.append((prompt, max_new, expected, logits))
+    return cases
+
+
+def serve(tmp_path, **extra) -> Server:
+    server = Server(write_properties(tmp_path / "model", {**ROLLING, **extra}))
+    server.wait_healthy()
+    return server
+
+
+def fire(server: Server, workload) -> list[requests.Response]:
+    def ask(case):
+        prompt, max_new, _, _ = case
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new, "details": True}}
+        return requests.post(f"{server.url}/invocations", json=body, timeout=600)
+
+    with ThreadPoolExecutor(len(workload)) as pool:
+        return list(pool.map(ask, workload))
+
+
+def engine_stats(server: Server) -> dict:
+    name = requests.get(f"{server.url}/models", timeout=10).json()["models"][0]["modelName"]
+    return requests.get(f"{server.url}/models/{name}", timeout=10).json()["engine"]["stats"]
+
+
+def check_answers(responses, workload):
+    for response, (_, max_new, expected, logits) in zip(responses, workload):
+        assert response.status_code == 200, response.text
+        served = [token["id"] for token in response.json()["details"]["tokens"]]
+        assert len(served) <= max_new
+        assert_same_or_near_tie(served, expected, logits)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"option.paged_attention": "false"},
+        # 24 blocks of 16 tokens: far less than 8 running requests need.
+        {"option.num_kv_blocks": 24},
+    ],
+    ids=["paged", "contiguous", "preempting"],
+)
+def test_concurrent_greedy_requests_match_hf(tmp_path, workload, variant):
+    server = serve(tmp_path, **variant)
+    try:
+        check_answers(fire(server, workload), workload)
+        stats = engine_stats(server)
+    finally:
+        assert server.stop() == 0
+    assert stats["num_steps_with_joins"] > 0, "no request joined a running batch"
+    assert stats["num_steps_with_leaves"] > 0, "no request left while others kept running"
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+    if "option.num_kv_blocks" in variant:
+        assert stats["num_preemptions"] > 0
+    assert stats["finished"].get("length", 0) + stats["finished"].get("eos_token", 0) == 24
