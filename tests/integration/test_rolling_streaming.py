@@ -1,0 +1,134 @@
+"""Streaming from the rolling engine: the stream's text equals the non-streamed text, SSE and
+jsonlines parse, stop sequences end the stream without their text, seeded sampling repeats,
+and a client that disconnects mid-stream frees its KV blocks at once."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import requests
+
+from ..servers import Server, write_properties
+
+PROMPT = "Once upon a time, in a small village by the sea, there lived"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = write_properties(
+        tmp_path_factory.mktemp("rolling-stream"),
+        {"engine": "MPI", "option.max_rolling_batch_size": 4, "option.max_model_len": 512},
+    )
+    server = Server(folder)
+    server.wait_healthy()
+    yield server
+    assert server.stop() == 0
+
+
+def generate(server, parameters, **extra) -> requests.Response:
+    body = {"inputs": PROMPT, "parameters": parameters, **extra}
+    return requests.post(f"{server.url}/invocations", json=body, timeout=120, **_stream_opts(extra))
+
+
+def _stream_opts(extra):
+    return {"stream": True} if extra.get("stream") else {}
+
+
+def jsonlines(response) -> list[dict]:
+    return [json.loads(line) for line in response.iter_lines() if line]
+
+
+def sse(response) -> list[dict]:
+    events = []
+    for line in response.iter_lines():
+        if line:
+            assert line.startswith(b"data: "), line
+            events.append(json.loads(line[len(b"data: ") :]))
+    return events
+
+
+def test_stream_equals_the_non_streamed_text(server):
+    parameters = {"max_new_tokens": 40, "details": True}
+    whole = generate(server, parameters).json()
+    streamed = generate(server, parameters, stream=True)
+    assert streamed.headers["content-type"].startswith("application/jsonlines")
+    events = jsonlines(streamed)
+    assert len(events) > 5  # a real answer, not an immediate EOS
+    assert "".join(e["token"]["text"] for e in events) == whole["generated_text"]
+    assert events[-1]["generated_text"] == whole["generated_text"]
+    assert [e["token"]["id"] for e in events] == [t["id"] for t in whole["details"]["tokens"]]
+    assert all("generated_text" not in e for e in events[:-1])
+
+
+def test_sse_when_the_client_accepts_event_streams(server):
+    response = requests.post(
+        f"{server.url}/invocations",
+        json={
+            "inputs": PROMPT,
+            "parameters": {"max_new_tokens": 12, "ignore_eos_token": True},
+            "stream": True,
+        },
+        headers={"Accept": "text/event-stream"},
+        stream=True,
+        timeout=120,
+    )
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse(response)
+    assert len(events) == 12
+    assert events[-1]["generated_text"] == "".join(e["token"]["text"] for e in events)
+
+
+def test_stop_sequence_ends_the_stream_without_its_text(server):
+    whole = generate(server, {"max_new_tokens": 60})
+    text = whole.json()["generated_text"]
+    stop = text.split()[3]  # a word from the middle of the greedy answer
+    cut = text[: text.find(stop)]
+    plain = generate(server, {"max_new_tokens": 60, "stop_sequences": [stop], "details": True})
+    assert plain.json()["generated_text"] == cut
+    assert plain.json()["details"]["finish_reason"] == "stop_sequence"
+    events = jsonlines(
+        generate(server, {"max_new_tokens": 60, "stop_sequences": [stop]}, stream=True)
+    )
+    assert "".join(e["token"]["text"] for e in events) == cut == events[-1]["generated_text"]
+
+
+def test_same_seed_same_text_and_sampling_varies(server):
+    sampled = {"max_new_tokens": 20, "do_sample": True, "temperature": 1.2, "top_p": 0.95}
+    first = generate(server, {**sampled, "seed": 11}).json()["generated_text"]
+    again = generate(server, {**sampled, "seed": 11}).json()["generated_text"]
+    others = {generate(server, {**sampled, "seed": s}).json()["generated_text"] for s in range(4)}
+    assert first == again
+    assert len(others) > 1
+
+
+def metrics(server) -> dict[str, float]:
+    values = {}
+    for line in requests.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_disconnect_mid_stream_frees_the_blocks(server):
+    label = '{model="SmolLM2-135M-Instruct"}'
+    response = generate(server, {"max_new_tokens": 400, "ignore_eos_token": True}, stream=True)
+    lines = response.iter_lines()
+    for _ in range(3):
+        next(lines)
+    assert metrics(server)[f"lmserve_kv_blocks_used{label}"] > 0
+    response.close()  # the client goes away
+    deadline = time.monotonic() + 10
+    while metrics(server)[f"lmserve_kv_blocks_used{label}"] > 0:
+        assert time.monotonic() < deadline, "the aborted request kept its blocks"
+        time.sleep(0.1)
+    values = metrics(server)
+    assert values[f"lmserve_num_running{label}"] == 0
+    assert (
+        values[
+            'lmserve_engine_requests_finished_total{model="SmolLM2-135M-Instruct",reason="abort"}'
+        ]
+        >= 1
+    )
