@@ -30,8 +30,11 @@ log = logging.getLogger("lmserve.serve")
 
 _POLL_S = 0.2
 # How long the front end keeps answering after the engine died, so waiting clients get an
-# error reply and health checks see the failure before the server goes away.
+# error reply and health checks see the failure before the server goes away (or, with
+# restarts, before the new engine's "loading" replaces the "failed" state).
 FAILED_GRACE_S = 5.0
+RESTART_GRACE_S = 2.0
+MAX_RESTARTS = 3
 _STOP_TIMEOUT_S = 10.0
 
 
@@ -57,7 +60,7 @@ class Supervisor:
         try:
             self.engine = self._start(engine_command(self.runtime.config, runtime_path))
             self.http = self._start(self._gunicorn_command(runtime_path))
-            return self._supervise()
+            return self._supervise(runtime_path)
         finally:
             self._stop_children()
             shutil.rmtree(self.runtime.ipc_dir, ignore_errors=True)
@@ -77,9 +80,11 @@ class Supervisor:
     def _start(self, command: list[str]) -> subprocess.Popen:
         return subprocess.Popen(command, start_new_session=True)
 
-    def _supervise(self) -> int:
-        loading_deadline = time.monotonic() + self.runtime.config.model_loading_timeout
+    def _supervise(self, runtime_path: Path) -> int:
+        config = self.runtime.config
+        loading_deadline = time.monotonic() + config.model_loading_timeout
         announced_ready = False
+        restarts = 0
         while self._stop_signal is None:
             if self.http.poll() is not None:
                 log.error("the HTTP server exited with code %s", self.http.returncode)
@@ -89,7 +94,13 @@ class Supervisor:
                 engine_state = read_state(self.runtime)
                 if engine_state["state"] == protocol.STATE_FAILED:
                     reason = f"{engine_state['reason']}; {reason}"
-                return self._engine_failed(reason)
+                if not config.restart_engine_on_failure or restarts >= MAX_RESTARTS:
+                    return self._engine_failed(reason)
+                restarts += 1
+                self._restart_engine(reason, runtime_path, restarts)
+                loading_deadline = time.monotonic() + config.model_loading_timeout
+                announced_ready = False
+                continue
             state = read_state(self.runtime)["state"]
             if state == protocol.STATE_READY and not announced_ready:
                 log.info("ready: http://%s:%d/invocations", self.host, self.port)
@@ -102,6 +113,14 @@ class Supervisor:
             time.sleep(_POLL_S)
         log.info("received signal %d: stopping", self._stop_signal)
         return 0
+
+    def _restart_engine(self, reason: str, runtime_path: Path, restarts: int) -> None:
+        log.error("%s; restarting the engine (%d of %d)", reason, restarts, MAX_RESTARTS)
+        write_state(self.runtime, protocol.STATE_FAILED, reason)
+        _stop_group(self.engine)
+        time.sleep(RESTART_GRACE_S)  # waiting requests are answered from the failed state
+        write_state(self.runtime, protocol.STATE_LOADING, f"restarting after: {reason}")
+        self.engine = self._start(engine_command(self.runtime.config, runtime_path))
 
     def _engine_failed(self, reason: str) -> int:
         log.error("%s; answering with errors for %.0f s, then exiting", reason, FAILED_GRACE_S)

@@ -67,6 +67,7 @@ class ServingConfig:
     tgi_compat: bool
     predict_timeout: int  # s
     model_loading_timeout: int  # s
+    restart_engine_on_failure: bool
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     enable_chunked_prefill: bool

@@ -178,6 +178,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("option.tgi_compat", "tgi_compat", boolean, False),
     Setting("option.predict_timeout", "predict_timeout", integer(1), 120),
     Setting("option.model_loading_timeout", "model_loading_timeout", integer(1), 240),
+    # false (default): a dead engine ends the server non-zero and the platform replaces the
+    # container; true: the supervisor restarts the engine in place (a few times).
+    Setting("option.restart_engine_on_failure", "restart_engine_on_failure", boolean, False),
     Setting("option.gpu_memory_utilization", "gpu_memory_utilization", real(0.0, 1.0), 0.9),
     Setting("option.enable_prefix_caching", "enable_prefix_caching", boolean, False),
     Setting("option.enable_chunked_prefill", "enable_chunked_prefill", boolean, False),

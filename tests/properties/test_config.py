@@ -59,6 +59,7 @@ CONTRACT_DEFAULTS = {
     "block_size": 16,
     "num_kv_blocks": None,
     "cpu_kv_cache_fraction": 0.25,
+    "restart_engine_on_failure": False,
     "dtype": "auto",
     "max_model_len": None,  # the model's max positions
     "trust_remote_code": False,
