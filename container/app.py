@@ -14,7 +14,8 @@ import uuid
 from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from lmserve.handlers.request_parsing import BadRequest, parse_body
+from lmserve.handlers.chat import is_chat, parse_chat
+from lmserve.handlers.request_parsing import BadRequest, load_payload, parse_payload
 from lmserve.handlers.stream_format import StreamFormat
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
@@ -26,7 +27,7 @@ from .predictor import PredictionError, Predictor
 log = logging.getLogger("lmserve.http")
 
 _STATS_TIMEOUT_S = 5.0
-_INFERENCE_ROUTES = ("invocations", "predictions")
+_INFERENCE_ROUTES = ("invocations", "predictions", "chat_completions")
 
 
 def create_app(runtime_path: str) -> Flask:
@@ -81,6 +82,10 @@ def create_app(runtime_path: str) -> Flask:
     def predictions(model: str):
         return _predict(model)
 
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        return _predict(name, chat_only=True)
+
     @app.get("/models")
     def list_models():
         return jsonify({"models": [_describe(detailed=False)]})
@@ -91,7 +96,7 @@ def create_app(runtime_path: str) -> Flask:
             return _error(404, f"model {model!r} not found; this server serves {name!r}")
         return jsonify(_describe(detailed=True))
 
-    def _predict(model: str):
+    def _predict(model: str, chat_only: bool = False):
         if model != name:
             return _error(404, f"model {model!r} not found; this server serves {name!r}")
         state = client.state()
@@ -99,13 +104,26 @@ def create_app(runtime_path: str) -> Flask:
             status = 500 if state["state"] == protocol.STATE_FAILED else 503
             return _error(status, f"model {name} is not ready: {state.get('reason', '')}")
         try:
-            parsed = parse_body(request.get_data(cache=False), request.content_type)
+            payload = load_payload(request.get_data(cache=False), request.content_type)
+            if chat_only or is_chat(payload):
+                chat = parse_chat(payload)
+                answer = predictor.chat(chat, g.request_id)
+                if chat.stream:
+                    return Response(answer, mimetype="text/event-stream")
+                return jsonify(answer)
+            parsed = parse_payload(payload)
             stream_kind = _stream_kind(parsed.stream, request.headers.get("Accept", ""))
             if stream_kind is None:
                 return jsonify(predictor.predict(parsed, g.request_id))
-            fmt = StreamFormat(stream_kind, runtime.config.tgi_compat)
-            lines = predictor.stream(parsed, g.request_id, fmt)
-            return Response(lines, mimetype=fmt.content_type)
+            config = runtime.config
+            fmt = StreamFormat(
+                stream_kind,
+                config.tgi_compat,
+                predictor.tokenizer,
+                parsed.details,
+                parsed.return_full_text,
+            )
+            return Response(predictor.stream(parsed, g.request_id, fmt), mimetype=fmt.content_type)
         except BadRequest as error:
             return _error(error.status, str(error), field=error.field)
         except PredictionError as error:

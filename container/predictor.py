@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmserve.handlers.chat import ChatRequest, ChatResponder, ChatTemplate
 from lmserve.handlers.detokenizer import IncrementalDetokenizer
 from lmserve.handlers.outputs import Completion, complete, shape_response, to_json
 from lmserve.handlers.request_parsing import BadRequest, TextRequest
@@ -61,12 +62,105 @@ class Predictor:
         self.client = client
         self.tokenizer = Tokenizer(runtime.model_path, runtime.config.trust_remote_code)
         self.max_model_len = max_model_len(runtime)
+        self.chat_template = ChatTemplate(runtime.model_path)
 
     def predict(self, request: TextRequest, request_id: str) -> dict | list:
         prompts = [self.prompt_ids(text, request.params.max_new_tokens) for text in request.inputs]
+        generations = self._generate_all(prompts, request.params, request_id)
+        outputs = [
+            self._output(text, generation, request)
+            for text, generation in zip(request.inputs, generations)
+        ]
+        return shape_response(outputs, request.batched, self.runtime.config.tgi_compat)
+
+    def stream(self, request: TextRequest, request_id: str, fmt: StreamFormat) -> Iterator[str]:
+        if request.batched:
+            raise BadRequest("inputs", "streaming takes one input, not a list")
+        prompt_ids = self.prompt_ids(request.inputs[0], request.params.max_new_tokens)
+        return self.stream_prompt(
+            request.inputs[0], prompt_ids, request.params, request.stop_sequences, request_id, fmt
+        )
+
+    def stream_prompt(self, prompt, prompt_ids, params, stop_sequences, request_id, responder):
+        """Submits one prompt and waits for its first event, so that a refusal (queue full,
+        too long) is still an ordinary error response; then returns the event stream, shaped
+        by `responder` (`.token(...)`, `.error(...)`)."""
+        engine_id = f"{request_id}/0"
+        events = self.client.submit(protocol.generate_message(engine_id, prompt_ids, params))
+        deadline = self._deadline()
+        try:
+            first = self._next_event(events, deadline)
+        except PredictionError:
+            self.client.finish(engine_id, abort=True)
+            raise
+        detokenizer = IncrementalDetokenizer(self.tokenizer, stop_sequences)
+        return self._stream_events(
+            prompt, engine_id, events, first, deadline, detokenizer, responder
+        )
+
+    def _stream_events(self, prompt, engine_id, events, event, deadline, detokenizer, responder):
+        generation = _Generation()
+        done = False
+        try:
+            while True:
+                generation.add(event)
+                done = generation.finish_reason is not None
+                tokens = list(zip(event["token_ids"], event["log_probs"]))
+                for index, (token, log_prob) in enumerate(tokens):
+                    text = detokenizer.add(token)
+                    last = detokenizer.stopped or (done and index == len(tokens) - 1)
+                    completion = None
+                    if last:
+                        text += detokenizer.finish()
+                        reason = (
+                            "stop_sequence" if detokenizer.stopped else generation.finish_reason
+                        )
+                        completion = Completion(
+                            prompt,
+                            detokenizer.text,
+                            detokenizer.token_ids,
+                            generation.log_probs[: len(detokenizer.token_ids)],
+                            reason,
+                        )
+                    special = token in self.tokenizer.special_ids
+                    yield responder.token(token, text, log_prob, special, completion)
+                    if last:
+                        done = True
+                        return
+                event = self._next_event(events, deadline)
+        except PredictionError as error:
+            done = True  # the engine already dropped it
+            yield responder.error(error.status, error.message)
+        finally:
+            # A client that went away (or a stop sequence) ends the request in the engine too.
+            self.client.finish(engine_id, abort=not done or detokenizer.stopped)
+
+    def chat(self, chat: ChatRequest, request_id: str):
+        """A `chat.completion`, or (streaming) the iterator of its chunks."""
+        prompt = self.chat_template.render(chat.messages)
+        prompt_ids = self.prompt_ids(
+            prompt, chat.params.max_new_tokens, field="messages", add_special_tokens=False
+        )
+        responder = ChatResponder(chat.model or self.runtime.model_name, len(prompt_ids))
+        if chat.stream:
+            return self.stream_prompt(
+                prompt, prompt_ids, chat.params, chat.stop_sequences, request_id, responder
+            )
+        (generation,) = self._generate_all([prompt_ids], chat.params, request_id)
+        completion = complete(
+            self.tokenizer,
+            prompt,
+            generation.token_ids,
+            generation.log_probs,
+            generation.finish_reason,
+            chat.stop_sequences,
+        )
+        return responder.completion(completion)
+
+    def _generate_all(self, prompts, params, request_id: str) -> list[_Generation]:
         engine_ids = [f"{request_id}/{index}" for index in range(len(prompts))]
         queues = [
-            self.client.submit(protocol.generate_message(i, p, request.params))
+            self.client.submit(protocol.generate_message(i, p, params))
             for i, p in zip(engine_ids, prompts)
         ]
         deadline = self._deadline()
@@ -79,77 +173,10 @@ class Predictor:
                     generation.add(self._next_event(events, deadline))
                 finished.add(engine_id)
                 generations.append(generation)
+            return generations
         finally:
             for engine_id in engine_ids:
                 self.client.finish(engine_id, abort=engine_id not in finished)
-        outputs = [
-            self._output(text, generation, request)
-            for text, generation in zip(request.inputs, generations)
-        ]
-        return shape_response(outputs, request.batched, self.runtime.config.tgi_compat)
-
-    def stream(self, request: TextRequest, request_id: str, fmt: StreamFormat) -> Iterator[str]:
-        """Submits the request and waits for its first event, so that a refusal (queue full,
-        too long) is still an ordinary error response; then returns the event stream."""
-        if request.batched:
-            raise BadRequest("inputs", "streaming takes one input, not a list")
-        prompt_ids = self.prompt_ids(request.inputs[0], request.params.max_new_tokens)
-        engine_id = f"{request_id}/0"
-        events = self.client.submit(
-            protocol.generate_message(engine_id, prompt_ids, request.params)
-        )
-        deadline = self._deadline()
-        try:
-            first = self._next_event(events, deadline)
-        except PredictionError:
-            self.client.finish(engine_id, abort=True)
-            raise
-        return self._stream_events(request, engine_id, events, first, deadline, fmt)
-
-    def _stream_events(self, request, engine_id, events, event, deadline, fmt) -> Iterator[str]:
-        detokenizer = IncrementalDetokenizer(self.tokenizer, request.stop_sequences)
-        generation = _Generation()
-        done = False
-        try:
-            while True:
-                generation.add(event)
-                done = generation.finish_reason is not None
-                for index, (token, log_prob) in enumerate(
-                    zip(event["token_ids"], event["log_probs"])
-                ):
-                    text = detokenizer.add(token)
-                    last = detokenizer.stopped or (done and index == len(event["token_ids"]) - 1)
-                    if last:
-                        text += detokenizer.finish()
-                        generation.finish_reason = generation.finish_reason or "stop_sequence"
-                    final = self._stream_final(request, generation, detokenizer) if last else None
-                    yield fmt.token(
-                        token, text, log_prob, token in self.tokenizer.special_ids, final
-                    )
-                    if last:
-                        done = True
-                        return
-                event = self._next_event(events, deadline)
-        except PredictionError as error:
-            done = True  # the engine already dropped it
-            yield fmt.error(error.status, error.message)
-        finally:
-            # A client that went away (or a stop sequence) ends the request in the engine too.
-            self.client.finish(engine_id, abort=not done or detokenizer.stopped)
-
-    def _stream_final(self, request, generation: _Generation, detokenizer) -> dict:
-        reason = "stop_sequence" if detokenizer.stopped else generation.finish_reason
-        completion = Completion(
-            request.inputs[0],
-            detokenizer.text,
-            detokenizer.token_ids,
-            generation.log_probs[: len(detokenizer.token_ids)],
-            reason,
-        )
-        config = self.runtime.config
-        return to_json(
-            completion, self.tokenizer, request.details, request.return_full_text, config.tgi_compat
-        )
 
     def _output(self, text: str, generation: _Generation, request: TextRequest) -> dict:
         completion = complete(
@@ -165,8 +192,10 @@ class Predictor:
             completion, self.tokenizer, request.details, request.return_full_text, config.tgi_compat
         )
 
-    def prompt_ids(self, text: str, max_new_tokens: int, field: str = "inputs") -> list[int]:
-        prompt_ids = self.tokenizer.encode(text)
+    def prompt_ids(
+        self, text: str, max_new_tokens: int, field: str = "inputs", add_special_tokens=True
+    ) -> list[int]:
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens)
         limit = self.max_model_len
         if not prompt_ids:
             raise BadRequest(field, "the prompt is empty (no tokens)")

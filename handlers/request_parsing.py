@@ -37,12 +37,17 @@ class TextRequest:
 
 
 def parse_body(body: bytes, content_type: str | None) -> TextRequest:
+    return parse_payload(load_payload(body, content_type))
+
+
+def load_payload(body: bytes, content_type: str | None) -> dict[str, Any]:
+    """The request's JSON object; a text/plain body becomes `{"inputs": body}`."""
     media_type = (content_type or "").split(";")[0].strip().lower()
     text = _decode(body)
     if media_type == "text/plain":
         if not text.strip():
             raise BadRequest("inputs", "the text/plain body is empty")
-        return TextRequest(inputs=[text], batched=False, params=GenerationParams())
+        return {"inputs": text}
     # Anything else is read as JSON: `curl -d` without -H sends form-urlencoded JSON.
     try:
         payload = json.loads(text)
@@ -50,7 +55,7 @@ def parse_body(body: bytes, content_type: str | None) -> TextRequest:
         raise BadRequest("body", f"malformed JSON: {error}") from None
     if not isinstance(payload, dict):
         raise BadRequest("body", "expected a JSON object with an `inputs` field")
-    return parse_payload(payload)
+    return payload
 
 
 def parse_payload(payload: dict[str, Any]) -> TextRequest:
@@ -106,8 +111,9 @@ def _parse_parameters(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 class _ParameterReader:
-    def __init__(self, raw: dict[str, Any]):
+    def __init__(self, raw: dict[str, Any], prefix: str = "parameters."):
         self.raw = raw
+        self.prefix = prefix  # how error messages name the fields
         self.known: set[str] = set()
 
     def _get(self, name: str) -> Any:
@@ -119,7 +125,7 @@ class _ParameterReader:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise BadRequest(f"parameters.{name}", f"expected true or false, got {value!r}")
+            raise BadRequest(f"{self.prefix}{name}", f"expected true or false, got {value!r}")
         return value
 
     def integer(self, name: str, default: int | None, minimum: int) -> int | None:
@@ -129,9 +135,9 @@ class _ParameterReader:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise BadRequest(f"parameters.{name}", f"expected an integer, got {value!r}")
+            raise BadRequest(f"{self.prefix}{name}", f"expected an integer, got {value!r}")
         if value < minimum:
-            raise BadRequest(f"parameters.{name}", f"must be >= {minimum}, got {value}")
+            raise BadRequest(f"{self.prefix}{name}", f"must be >= {minimum}, got {value}")
         return value
 
     def number(
@@ -146,29 +152,29 @@ class _ParameterReader:
         if value is None:
             return default
         if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
-            raise BadRequest(f"parameters.{name}", f"expected a number, got {value!r}")
+            raise BadRequest(f"{self.prefix}{name}", f"expected a number, got {value!r}")
         too_low = value <= minimum if exclusive_minimum else value < minimum
         too_high = maximum is not None and value > maximum
         if too_low or too_high or math.isinf(value):
             low = f"> {minimum}" if exclusive_minimum else f">= {minimum}"
             high = f" and <= {maximum}" if maximum is not None else ""
-            raise BadRequest(f"parameters.{name}", f"must be {low}{high}, got {value}")
+            raise BadRequest(f"{self.prefix}{name}", f"must be {low}{high}, got {value}")
         return float(value)
 
-    def stop_sequences(self) -> tuple[str, ...]:
-        value = self._get("stop_sequences")
+    def stop_sequences(self, name: str = "stop_sequences") -> tuple[str, ...]:
+        value = self._get(name)
         if value is None:
             return ()
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-            raise BadRequest("parameters.stop_sequences", "expected a list of non-empty strings")
+            raise BadRequest(f"{self.prefix}{name}", "expected a list of non-empty strings")
         return tuple(value)
 
     def refuse_unsupported(self, name: str, default: Any) -> None:
         value = self._get(name)
         if value is not None and value != default:
-            raise BadRequest(f"parameters.{name}", f"not supported yet (only {default!r})")
+            raise BadRequest(f"{self.prefix}{name}", f"not supported yet (only {default!r})")
 
 
 def _decode(body: bytes) -> str:

@@ -10,22 +10,43 @@ from __future__ import annotations
 
 import json
 
+from .outputs import Completion, to_json
+from .tokenizer import Tokenizer
+
 
 class StreamFormat:
-    def __init__(self, kind: str, tgi_compat: bool):
+    def __init__(
+        self,
+        kind: str,
+        tgi_compat: bool,
+        tokenizer: Tokenizer,
+        details: bool,
+        return_full_text: bool,
+    ):
         self.sse = kind == "sse" or tgi_compat
         self.tgi_compat = tgi_compat
         self.content_type = "text/event-stream" if self.sse else "application/jsonlines"
+        self._tokenizer = tokenizer
+        self._details = details
+        self._return_full_text = return_full_text
 
-    def token(self, token_id: int, text: str, log_prob: float, special: bool, final: dict | None):
-        """One token's event; `final` (generated_text, details) on the last one."""
+    def token(self, token_id, text, log_prob, special, completion: Completion | None) -> str:
+        """One token's event; the last one (with `completion`) adds generated_text/details."""
         if self.tgi_compat:
             token = {"id": token_id, "text": text, "logprob": log_prob, "special": special}
             event = {"token": token, "generated_text": None, "details": None}
         else:
             event = {"token": {"id": token_id, "text": text, "log_prob": log_prob}}
-        if final is not None:
-            event.update(final)
+        if completion is not None:
+            event.update(
+                to_json(
+                    completion,
+                    self._tokenizer,
+                    self._details,
+                    self._return_full_text,
+                    self.tgi_compat,
+                )
+            )
         return self.line(event)
 
     def error(self, status: int, message: str) -> str:

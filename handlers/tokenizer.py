@@ -17,7 +17,9 @@ class Tokenizer:
             from tokenizers import Tokenizer as FastTokenizer
 
             fast = FastTokenizer.from_file(str(tokenizer_json))
-            self._encode = lambda text: fast.encode(text, add_special_tokens=True).ids
+            self._encode = lambda text, special=True: (
+                fast.encode(text, add_special_tokens=special).ids
+            )
             self._decode = lambda ids, skip=True: fast.decode(ids, skip_special_tokens=skip)
             self.special_ids = frozenset(
                 i for i, token in fast.get_added_tokens_decoder().items() if token.special
@@ -26,12 +28,15 @@ class Tokenizer:
             from transformers import AutoTokenizer
 
             slow = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-            self._encode = lambda text: slow(text)["input_ids"]
+            self._encode = lambda text, special=True: slow(text, add_special_tokens=special)[
+                "input_ids"
+            ]
             self._decode = lambda ids, skip=True: slow.decode(ids, skip_special_tokens=skip)
             self.special_ids = frozenset(slow.all_special_ids)
 
-    def encode(self, text: str) -> list[int]:
-        return self._encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens=False` for rendered chat templates, which carry their own."""
+        return self._encode(text, add_special_tokens)
 
     def decode(self, token_ids: list[int]) -> str:
         return self._decode(token_ids)

@@ -1,6 +1,7 @@
-"""Streaming from the rolling engine: the stream's text equals the non-streamed text, SSE and
-jsonlines parse, stop sequences end the stream without their text, seeded sampling repeats,
-and a client that disconnects mid-stream frees its KV blocks at once."""
+"""HTTP on the rolling engine: the stream's text equals the non-streamed text, SSE and
+jsonlines parse, stop sequences end the stream without their text, seeded sampling repeats, a
+client that disconnects mid-stream frees its KV blocks at once, and OpenAI chat (plain and
+streamed) answers like HF's own chat template and greedy generate."""
 
 from __future__ import annotations
 
@@ -19,7 +20,12 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived"
 def server(tmp_path_factory):
     folder = write_properties(
         tmp_path_factory.mktemp("rolling-stream"),
-        {"engine": "MPI", "option.max_rolling_batch_size": 4, "option.max_model_len": 512},
+        {
+            "engine": "MPI",
+            "option.max_rolling_batch_size": 4,
+            "option.max_model_len": 512,
+            "option.dtype": "fp32",  # chat answers are compared with HF's fp32 greedy output
+        },
     )
     server = Server(folder)
     server.wait_healthy()
@@ -132,3 +138,73 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
         ]
         >= 1
     )
+
+
+CHAT = [
+    {"role": "system", "content": "You answer in one short sentence."},
+    {"role": "user", "content": "What is the capital of Italy?"},
+]
+
+
+def hf_chat_answer(smollm2_dir, max_new_tokens: int) -> tuple[str, int]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True), len(ids)
+
+
+def test_chat_completion_equals_hf_chat_template_and_greedy(server, smollm2_dir):
+    expected, num_prompt_tokens = hf_chat_answer(smollm2_dir, 24)
+    body = {"model": "x", "messages": CHAT, "max_tokens": 24, "temperature": 0}
+    answer = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()
+    assert answer["object"] == "chat.completion"
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": expected}
+    assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+    usage = answer["usage"]
+    assert usage["prompt_tokens"] == num_prompt_tokens
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    # DJL reads any body with `messages` as chat, on /invocations too.
+    again = requests.post(f"{server.url}/invocations", json=body, timeout=120).json()
+    assert again["choices"][0]["message"]["content"] == expected
+
+
+def test_streamed_chat_chunks_add_up_to_the_answer(server):
+    body = {"messages": CHAT, "max_tokens": 24, "temperature": 0}
+    whole = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()
+    response = requests.post(
+        f"{server.url}/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=120
+    )
+    assert response.headers["content-type"].startswith("text/event-stream")
+    payloads = [line[len(b"data: ") :] for line in response.iter_lines() if line]
+    assert payloads[-1] == b"[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert content == whole["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"] == whole["usage"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": CHAT, "n": 2}, "n"),
+        ({"messages": CHAT, "temperature": 3}, "temperature"),
+        ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_bad_chat_requests_are_400_naming_the_field(server, body, field):
+    response = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["field"] == field

@@ -1,0 +1,185 @@
+"""OpenAI-style chat: `messages` bodies (on /v1/chat/completions, or any body with `messages` on
+/invocations, as DJL does), the model's chat template, and the `chat.completion` /
+`chat.completion.chunk` shapes with `usage`.
+
+Parameters follow OpenAI: `max_tokens` (or `max_completion_tokens`; default 30 as for text
+requests), `temperature` (default 1.0, which samples; 0 is greedy), `top_p`, `seed`, `stop`,
+`stream`. `n` other than 1 and non-zero penalties are refused rather than ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmserve.rolling_batch.protocol import GenerationParams
+
+from .outputs import Completion
+from .request_parsing import BadRequest, _ParameterReader
+
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+_FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict[str, str]]
+    params: GenerationParams
+    stop_sequences: tuple[str, ...]
+    stream: bool
+    model: str | None
+
+
+class ChatTemplate:
+    """The model's Jinja chat template (tokenizer_config.json or chat_template.jinja), rendered
+    in a sandbox as HF transformers renders it."""
+
+    def __init__(self, model_path: str | Path):
+        folder = Path(model_path)
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template = config.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        self.special_tokens = {
+            name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")
+        }
+        self._template = None
+        if isinstance(template, str):
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            environment.globals["raise_exception"] = _raise_template_error
+            environment.filters["tojson"] = lambda value, **kw: json.dumps(value, **kw)
+            self._template = environment.from_string(template)
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        if self._template is None:
+            raise BadRequest("messages", "this model has no chat template; send `inputs` instead")
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=True, **self.special_tokens
+            )
+        except ValueError as error:
+            raise BadRequest("messages", str(error)) from None
+
+
+def _token_text(token: Any) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _raise_template_error(message: str):
+    raise ValueError(message)
+
+
+def is_chat(payload: Any) -> bool:
+    return isinstance(payload, dict) and "messages" in payload
+
+
+def parse_chat(payload: dict[str, Any]) -> ChatRequest:
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages", "expected a non-empty list of {role, content} objects")
+    parsed = [_parse_message(index, message) for index, message in enumerate(messages)]
+    reader = _ParameterReader(payload, prefix="")
+    max_tokens = reader.integer("max_completion_tokens", None, minimum=1)
+    max_tokens = reader.integer("max_tokens", max_tokens or 30, minimum=1)
+    temperature = reader.number("temperature", 1.0, minimum=0.0, maximum=2.0)
+    params = GenerationParams(
+        max_new_tokens=max_tokens,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else 1.0,
+        top_p=reader.number("top_p", 1.0, minimum=0.0, exclusive_minimum=True, maximum=1.0),
+        seed=reader.integer("seed", None, minimum=0),
+    )
+    if reader.integer("n", 1, minimum=1) != 1:
+        raise BadRequest("n", "only n=1 is supported")
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        if reader.number(penalty, 0.0, minimum=-2.0, maximum=2.0) != 0.0:
+            raise BadRequest(penalty, "not supported (use 0)")
+    return ChatRequest(
+        parsed,
+        params,
+        reader.stop_sequences("stop"),
+        reader.boolean("stream", False),
+        payload.get("model") if isinstance(payload.get("model"), str) else None,
+    )
+
+
+def _parse_message(index: int, message: Any) -> dict[str, str]:
+    field = f"messages[{index}]"
+    if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        raise BadRequest(f"{field}.role", f"expected one of {', '.join(_ROLES)}")
+    content = message.get("content")
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise BadRequest(f"{field}.content", "only text content parts are supported")
+        content = "".join(str(p.get("text", "")) for p in content)
+    if not isinstance(content, str):
+        raise BadRequest(f"{field}.content", "expected a string or a list of text parts")
+    return {"role": message["role"], "content": content}
+
+
+class ChatResponder:
+    """Shapes one chat request's answer: a `chat.completion`, or `chat.completion.chunk` SSE
+    events ending in `data: [DONE]`."""
+
+    content_type = "text/event-stream"
+
+    def __init__(self, model_name: str, num_prompt_tokens: int):
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model_name
+        self.num_prompt_tokens = num_prompt_tokens
+        self._sent_role = False
+
+    def completion(self, completion: Completion) -> dict:
+        return {
+            **self._envelope("chat.completion"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": completion.text},
+                    "finish_reason": _FINISH_REASONS.get(completion.finish_reason, "stop"),
+                }
+            ],
+            "usage": self._usage(completion),
+        }
+
+    def token(self, token_id, text, log_prob, special, completion: Completion | None) -> str:
+        delta: dict[str, str] = {"content": text}
+        if not self._sent_role:
+            delta["role"] = "assistant"
+            self._sent_role = True
+        lines = [self._chunk(delta, None)]
+        if completion is not None:
+            finish = _FINISH_REASONS.get(completion.finish_reason, "stop")
+            final = self._chunk({}, finish)
+            final["usage"] = self._usage(completion)
+            lines += [final]
+        body = "".join(f"data: {json.dumps(line, ensure_ascii=False)}\n\n" for line in lines)
+        return body + ("data: [DONE]\n\n" if completion is not None else "")
+
+    def error(self, status: int, message: str) -> str:
+        return f"data: {json.dumps({'code': status, 'error': message})}\n\n"
+
+    def _chunk(self, delta: dict, finish_reason: str | None) -> dict:
+        return {
+            **self._envelope("chat.completion.chunk"),
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+        }
+
+    def _envelope(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _usage(self, completion: Completion) -> dict:
+        generated = len(completion.token_ids)
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": generated,
+            "total_tokens": self.num_prompt_tokens + generated,
+        }
