@@ -1,0 +1,58 @@
+"""Server options on the rolling engine (tiny model, two ranks): tgi_compat shapes, and
+predict_timeout answering a too-long generation with an error and freeing its blocks."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import requests
+
+from ..servers import Server, write_properties
+
+
+def test_tgi_compat_and_predict_timeout(tmp_path, tiny_model_dir):
+    properties = {
+        "engine": "MPI",
+        "option.tensor_parallel_degree": 2,
+        "option.model_id": tiny_model_dir,
+        "option.max_model_len": 4096,
+        "option.tgi_compat": "true",
+        "option.predict_timeout": 2,
+    }
+    server = Server(write_properties(tmp_path / "model", properties))
+    server.wait_healthy()
+    try:
+        short = {"inputs": "Hello", "parameters": {"max_new_tokens": 4, "details": True}}
+        answer = requests.post(f"{server.url}/invocations", json=short, timeout=30).json()
+        assert isinstance(answer, list) and len(answer) == 1  # TGI wraps it in a list
+        token = answer[0]["details"]["tokens"][0]
+        assert set(token) == {"id", "text", "logprob", "special"}
+
+        streamed = requests.post(
+            f"{server.url}/invocations", json={**short, "stream": True}, stream=True, timeout=30
+        )
+        assert streamed.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line]
+        assert [e["generated_text"] is None for e in events] == [True] * 3 + [False]
+        assert "logprob" in events[0]["token"]
+
+        endless = {
+            "inputs": "Hello",
+            "parameters": {"max_new_tokens": 4000, "ignore_eos_token": True},
+        }
+        started = time.monotonic()
+        timed_out = requests.post(f"{server.url}/invocations", json=endless, timeout=60)
+        assert timed_out.status_code == 424
+        assert "predict_timeout" in timed_out.json()["error"]
+        assert time.monotonic() - started < 10
+        name = tiny_model_dir.name
+        deadline = time.monotonic() + 10
+        while True:  # the engine dropped the request: its blocks are free again
+            stats = requests.get(f"{server.url}/models/{name}", timeout=10).json()["engine"]
+            if stats["stats"]["kv_blocks_used"] == 0:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.2)
+    finally:
+        assert server.stop() == 0
