@@ -8,47 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import requests
 
 PROMPT = "Write a short story about a robot who learns to paint."
-
-
-def start(folder: Path, port: int) -> tuple[subprocess.Popen, float]:
-    started = time.monotonic()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "lmserve.container.cli",
-            "serve",
-            "--model-dir",
-            str(folder),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    while True:
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/ping", timeout=1).status_code == 200:
-                return server, time.monotonic() - started
-        except requests.ConnectionError:
-            pass
-        if server.poll() is not None or time.monotonic() - started > 300:
-            raise SystemExit("server did not become healthy")
-        time.sleep(0.1)
 
 
 def generate(port: int, new_tokens: int) -> float:
@@ -70,31 +36,26 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--port", type=int, default=8097)
+    parser.add_argument("--dtype", default="fp32")
     args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp())
-    (folder / "serving.properties").write_text(
-        f"engine=Python\nbatch_size={args.batch_size}\nmax_batch_delay={args.max_batch_delay}\n"
-    )
-    server, cold_start = start(folder, args.port)
-    try:
-        generate(args.port, 4)  # first request warms up allocator and kernels
-        single = [generate(args.port, args.new_tokens) for _ in range(args.repeats)]
+    properties = {
+        "engine": "Python",
+        "batch_size": args.batch_size,
+        "max_batch_delay": args.max_batch_delay,
+        "option.dtype": args.dtype,
+    }
+    with running_server(properties, args.port) as (url, cold_start):
+        generate(url, 4)  # first request warms up allocator and kernels
+        single = [generate(url, args.new_tokens) for _ in range(args.repeats)]
         rates = []
         for _ in range(args.repeats):
             started = time.monotonic()
             with ThreadPoolExecutor(args.concurrency) as pool:
-                list(
-                    pool.map(
-                        lambda _: generate(args.port, args.new_tokens), range(args.concurrency)
-                    )
-                )
+                list(pool.map(lambda _: generate(url, args.new_tokens), range(args.concurrency)))
             rates.append(args.concurrency * args.new_tokens / (time.monotonic() - started))
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait()
     print(
         f"engine=Python batch_size={args.batch_size} max_batch_delay={args.max_batch_delay} ms,"
-        f" SmolLM2-135M fp32, {os.cpu_count()} cores\n"
+        f" SmolLM2-135M {args.dtype}, {os.cpu_count()} cores\n"
     )
     print("| measure | median | min | max |\n|---|---|---|---|")
     print(f"| cold start to healthy /ping (s) | {cold_start:.1f} | | |")

@@ -1,0 +1,53 @@
+"""Starting and stopping a real `lmserve serve` for the benchmark scripts."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import requests
+
+
+@contextmanager
+def running_server(properties: dict[str, object], port: int):
+    """Yields (base URL, seconds from start to a healthy /ping)."""
+    folder = Path(tempfile.mkdtemp())
+    lines = [f"{key}={value}" for key, value in properties.items()]
+    (folder / "serving.properties").write_text("\n".join(lines) + "\n")
+    started = time.monotonic()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lmserve.container.cli",
+            "serve",
+            "--model-dir",
+            str(folder),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            try:
+                if requests.get(f"{url}/ping", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if server.poll() is not None or time.monotonic() - started > 300:
+                raise SystemExit(f"server did not become healthy: {properties}")
+            time.sleep(0.1)
+        yield url, time.monotonic() - started
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait()
