@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
+from serving import running_server
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
