@@ -31,17 +31,20 @@ def default_model_dir() -> Path | None:
     return SAGEMAKER_MODEL_DIR if SAGEMAKER_MODEL_DIR.is_dir() else None
 
 
-def count_devices() -> int:
-    """GPUs when the NVIDIA driver shows some, else CPU cores (one MPI rank per core). Read
-    from /proc so the supervisor never imports torch."""
+def count_gpus() -> int:
+    """From /proc, so the supervisor never imports torch."""
     gpus = Path("/proc/driver/nvidia/gpus")
-    if gpus.is_dir() and any(gpus.iterdir()):
-        return len(list(gpus.iterdir()))
-    return os.cpu_count() or 1
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
 
 
 def _load(model_dir: Path | None) -> ResolvedConfig:
-    return load_config(model_dir, os.environ, num_devices=count_devices())
+    gpus = count_gpus()
+    if gpus:
+        return load_config(model_dir, os.environ, num_devices=gpus)
+    # CPU: ranks are bounded by cores (one rank per core); "max" means the one CPU device.
+    return load_config(
+        model_dir, os.environ, num_devices=os.cpu_count() or 1, max_tensor_parallel=1
+    )
 
 
 def serve(args: argparse.Namespace) -> int:

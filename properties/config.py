@@ -97,10 +97,13 @@ def load_config(
     model_dir: str | os.PathLike | None,
     environ: Mapping[str, str] | None = None,
     num_devices: int | None = None,
+    max_tensor_parallel: int | None = None,
 ) -> ResolvedConfig:
     """Reads `<model_dir>/serving.properties` (if any) and the environment.
 
-    `num_devices` bounds tensor_parallel_degree (`max` resolves to it); None skips that check.
+    `num_devices` bounds tensor_parallel_degree (None skips that check); `max` resolves to
+    `max_tensor_parallel`, by default `num_devices` (on CPU the caller passes 1: "all
+    devices" of a CPU is one, though more ranks may be asked for explicitly).
     """
     environ = os.environ if environ is None else environ
     file_values = _read_file(model_dir)
@@ -131,7 +134,7 @@ def load_config(
         if setting.key not in sources:
             values.setdefault(setting.field, setting.default)
             sources[setting.key] = "default"
-    _resolve_max_devices(values, num_devices)
+    _resolve_max_devices(values, max_tensor_parallel or num_devices)
     _infer(values, sources)
     problems += _cross_field_problems(values, num_devices)
     if problems:
@@ -197,9 +200,9 @@ def _infer(values: dict[str, Any], sources: dict[str, str]) -> None:
         sources["option.rolling_batch"] = "inferred from engine"
 
 
-def _resolve_max_devices(values: dict[str, Any], num_devices: int | None) -> None:
+def _resolve_max_devices(values: dict[str, Any], max_degree: int | None) -> None:
     if values["tensor_parallel_degree"] == "max":
-        values["tensor_parallel_degree"] = num_devices or 1
+        values["tensor_parallel_degree"] = max_degree or 1
 
 
 def _cross_field_problems(values: dict[str, Any], num_devices: int | None) -> list[str]:

@@ -773,3 +773,11 @@ def test_config_is_frozen(field):
 
 def test_form_feed_separated_key_and_value(tmp_path):
     assert load(tmp_path, "engine\fMPI\n").config.engine == "MPI"
+
+
+def test_max_degree_resolves_to_what_the_caller_says_max_means(tmp_path):
+    (tmp_path / "serving.properties").write_text("option.tensor_parallel_degree=max\n")
+    on_cpu = load_config(tmp_path, {}, num_devices=16, max_tensor_parallel=1).config
+    on_gpus = load_config(tmp_path, {}, num_devices=4).config
+    assert on_cpu.tensor_parallel_degree == 1 and on_cpu.engine == "Python"
+    assert on_gpus.tensor_parallel_degree == 4 and on_gpus.engine == "MPI"

@@ -146,3 +146,12 @@ def test_syntax_error_exits_2_naming_the_line(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stdout + result.stderr
     assert "serving.properties" in result.stderr and "line 3" in result.stderr
+
+
+def test_max_degree_is_one_on_a_cpu(tmp_path):
+    (tmp_path / "serving.properties").write_text(
+        "engine=MPI\noption.tensor_parallel_degree=max\n", encoding="utf-8"
+    )
+    result = run_config(tmp_path, {})
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout)["option.tensor_parallel_degree"][0] == "1"
