@@ -29,7 +29,7 @@ from .engine_setup import RuntimeOptions, build_runner
 from .layers.parallel import TensorParallelGroup
 from .model_source import local_model_path
 from .mpi_launch import rank_command
-from .static_generation import generate_greedy
+from .offline_generation import generate_greedy
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,10 @@ def _eos_token_ids(model_path: Path, generation_config_class, tokenizer) -> set[
 
 class _InProcessEngine:
     def __init__(self, model_path: Path, options: RuntimeOptions):
-        self.runner, _, _ = build_runner(model_path, options, TensorParallelGroup())
+        self.runner, _, self.max_model_len = build_runner(
+            model_path, options, TensorParallelGroup()
+        )
+        self.max_running = options.max_num_seqs
 
     def generate(self, prompts, max_new_tokens, eos_token_ids, ignore_eos) -> list[list[int]]:
         runner = self.runner
@@ -133,6 +136,8 @@ class _InProcessEngine:
             runner.execute,
             runner.num_blocks,
             runner.block_size,
+            self.max_model_len,
+            self.max_running,
             prompts,
             max_new_tokens,
             set(eos_token_ids),

@@ -18,7 +18,7 @@ import torch
 from . import protocol
 from .engine_setup import RuntimeOptions, build_runner
 from .layers.parallel import MPIGroup, NcclGroup
-from .static_generation import generate_greedy
+from .offline_generation import generate_greedy
 
 log = logging.getLogger("lmserve.rank")
 
@@ -82,7 +82,7 @@ def follow(runner, comm) -> None:
         last_step = time.monotonic()
 
 
-def serve_driver(runner, broadcaster: StepBroadcaster, address: str) -> None:
+def serve_driver(runner, broadcaster: StepBroadcaster, address: str, limits) -> None:
     """Rank 0 for the offline LLM: answer the driver's requests until it says shutdown."""
     import zmq
 
@@ -99,6 +99,7 @@ def serve_driver(runner, broadcaster: StepBroadcaster, address: str) -> None:
                 broadcaster,
                 runner.num_blocks,
                 runner.block_size,
+                *limits,
                 message["prompts"],
                 message["max_new_tokens"],
                 set(message["eos_token_ids"]),
@@ -125,9 +126,10 @@ def main() -> None:
     settings = json.loads(sys.argv[1])
     group = make_group(comm)
     options = RuntimeOptions(**settings["options"])
-    runner, _, _ = build_runner(settings["model_path"], options, group, comm.Get_size())
+    runner, _, max_model_len = build_runner(settings["model_path"], options, group, comm.Get_size())
     if comm.Get_rank() == 0:
-        serve_driver(runner, StepBroadcaster(runner, comm), settings["address"])
+        limits = (max_model_len, options.max_num_seqs)
+        serve_driver(runner, StepBroadcaster(runner, comm), settings["address"], limits)
     else:
         follow(runner, comm)
 

@@ -78,8 +78,8 @@ def test_two_mpi_ranks_give_the_same_tokens(tp1_results):
 
 def test_token_id_prompts_and_a_cache_smaller_than_the_batch(tp1_results):
     results, prompt_ids = tp1_results
-    # 16 blocks of 16 tokens; each sequence reserves prompt + 64 tokens (5-6 blocks), so about
-    # three run at a time and the others wait for blocks: the tokens must not change.
+    # 16 blocks of 16 tokens for five sequences that grow to 5-6 blocks each: they run one at
+    # a time (max_num_seqs=1), and the tokens must not change.
     with LLM(
         max_model_len=MAX_MODEL_LEN, dtype="fp32", max_num_seqs=1, cache_dir=TEST_CACHE_DIR
     ) as llm:
