@@ -16,6 +16,7 @@ import torch
 import zmq
 
 from lmserve.rolling_batch import protocol
+from lmserve.rolling_batch.ipc import drain_router
 from lmserve.rolling_batch.protocol import GenerationParams
 from lmserve.rolling_batch.runtime import Runtime, write_state
 
@@ -45,22 +46,10 @@ class PythonEngineLoop:
             wait = self.batcher.seconds_until_due(time.monotonic())
             timeout_ms = _IDLE_POLL_MS if wait is None else int(wait * 1000) + 1
             if poller.poll(timeout_ms):
-                self._drain_socket()
+                drain_router(self.socket, self._handle)
             batch = self.batcher.next_batch(time.monotonic())
             if batch:
                 self._run_batch(batch)
-
-    def _drain_socket(self) -> None:
-        while True:
-            try:
-                identity, frame = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                self._handle(identity, protocol.unpack(frame))
-            except (ValueError, KeyError, TypeError) as error:
-                # The front end validates; reaching here means a version skew or a bug.
-                log.error("dropping malformed IPC message: %s", error)
 
     def _handle(self, identity: bytes, message: dict) -> None:
         op, request_id = message["op"], message["id"]

@@ -23,6 +23,7 @@ import zmq
 
 from . import protocol
 from .engine_stats import EngineStats
+from .ipc import drain_router
 from .protocol import GenerationParams
 from .request import Request
 from .sampler import Sampler
@@ -61,7 +62,7 @@ class RollingEngine:
         while True:
             busy = self.scheduler.has_work()
             if poller.poll(0 if busy else _IDLE_POLL_MS):
-                self._drain_socket()
+                drain_router(self.socket, self._handle)
             if self.scheduler.has_work():
                 self.step()
 
@@ -124,17 +125,6 @@ class RollingEngine:
             self.stats.finished["error"] += 1
             self.sampler.forget(request.request_id)
             self._send(request.reply_to, protocol.error_event(request.request_id, status, message))
-
-    def _drain_socket(self) -> None:
-        while True:
-            try:
-                identity, frame = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                self._handle(identity, protocol.unpack(frame))
-            except (ValueError, KeyError, TypeError) as error:
-                log.error("dropping malformed IPC message: %s", error)
 
     def _handle(self, identity: bytes, message: dict) -> None:
         op, request_id = message["op"], message.get("id", "")

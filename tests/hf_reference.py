@@ -7,6 +7,26 @@ import torch
 
 NEAR_TIE = 1e-4
 
+# Varied prompts for greedy comparisons: prose, code, lists, a chat turn, a one-letter prompt.
+VARIED_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "The three primary colors are",
+    "Translate to French: I like cheese.",
+    "Q: What is 12 times 7?\nA:",
+    "List the planets of the solar system in order from the sun:",
+    "import numpy as np\n\n# compute the mean of a list\n",
+    "Dear hiring manager,",
+    "The mitochondria is",
+    "1, 1, 2, 3, 5, 8,",
+    "<|im_start|>user\nWhat is the tallest mountain?<|im_end|>\n<|im_start|>assistant\n",
+    "In 1492,",
+    "Water boils at",
+    "A",
+]
+
 
 def hf_greedy_alone(model, prompt_ids: list[int], max_new_tokens: int):
     """(generated ids, raw logits of each step) for one prompt run alone, fp32."""

@@ -11,19 +11,10 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
+from ..hf_reference import VARIED_PROMPTS, assert_same_or_near_tie, hf_greedy_alone
 from ..servers import Server, write_properties
 
-PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "def fibonacci(n):",
-    "Once upon a time, in a land far away, there lived a",
-    "The three primary colors are",
-    "Translate to French: I like cheese.",
-    "Q: What is 12 times 7?\nA:",
-    "List the planets of the solar system in order from the sun:",
-]
+PROMPTS = VARIED_PROMPTS[:8]
 MAX_NEW_TOKENS = 24
 
 

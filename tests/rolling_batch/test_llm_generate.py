@@ -10,26 +10,9 @@ from transformers import AutoModelForCausalLM
 from lmserve.rolling_batch import LLM
 
 from ..conftest import TEST_CACHE_DIR
-from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
+from ..hf_reference import VARIED_PROMPTS, assert_same_or_near_tie, hf_greedy_alone
 
-PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "def fibonacci(n):",
-    "Once upon a time, in a land far away, there lived a",
-    "The three primary colors are",
-    "Translate to French: I like cheese.",
-    "Q: What is 12 times 7?\nA:",
-    "List the planets of the solar system in order from the sun:",
-    "import numpy as np\n\n# compute the mean of a list\n",
-    "Dear hiring manager,",
-    "The mitochondria is",
-    "1, 1, 2, 3, 5, 8,",
-    "<|im_start|>user\nWhat is the tallest mountain?<|im_end|>\n<|im_start|>assistant\n",
-    "In 1492,",
-    "Water boils at",
-    "A",
-]
+PROMPTS = VARIED_PROMPTS
 MAX_NEW_TOKENS = 64
 MAX_MODEL_LEN = 256
 
