@@ -37,6 +37,7 @@ class PythonEngineLoop:
             config.batch_size, config.max_batch_delay / 1000.0, config.job_queue_size
         )
         self.batch_sizes: Counter[int] = Counter()
+        self.http_responses: Counter[int] = Counter()  # counted here so all web workers agree
         self.num_failed = 0
 
     def run_forever(self) -> None:
@@ -52,7 +53,7 @@ class PythonEngineLoop:
                 self._run_batch(batch)
 
     def _handle(self, identity: bytes, message: dict) -> None:
-        op, request_id = message["op"], message["id"]
+        op, request_id = message["op"], message.get("id", "")
         if op == protocol.OP_GENERATE:
             if not self.batcher.can_add():
                 limit = self.batcher.max_queued
@@ -71,6 +72,8 @@ class PythonEngineLoop:
             )
         elif op == protocol.OP_ABORT:
             self.batcher.remove(request_id)
+        elif op == protocol.OP_COUNT_RESPONSE:
+            self.http_responses[message["status"]] += 1
         elif op == protocol.OP_STATS:
             self._send(
                 identity, {"kind": protocol.KIND_STATS, "id": request_id, "stats": self.stats()}
@@ -81,6 +84,7 @@ class PythonEngineLoop:
             "batch_sizes": {str(size): count for size, count in sorted(self.batch_sizes.items())},
             "num_queued": self.batcher.num_queued,
             "num_failed": self.num_failed,
+            "http_responses": {str(k): v for k, v in self.http_responses.items()},
         }
 
     def _run_batch(self, batch: list[PendingRequest]) -> None:

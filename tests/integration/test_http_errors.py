@@ -155,3 +155,16 @@ def test_list_inputs_text_plain_and_model_routes(server):
         headers={"Content-Type": "application/json", "x-request-id": "abc-123"},
     )
     assert own_id.headers["x-request-id"] == "abc-123"
+
+
+def test_metrics_count_responses_by_status(server):
+    assert post(server, {"inputs": "hi", "parameters": {"top_p": 7}}).status_code == 400
+    assert_still_serving(server)
+    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("lmserve_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            counts[labels.split('status="')[1].split('"')[0]] = float(value)
+    assert counts.get("400", 0) >= 1 and counts.get("200", 0) >= 1, text
+    assert "lmserve_num_queued" in text
