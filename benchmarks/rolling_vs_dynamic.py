@@ -2,7 +2,7 @@
 max_batch_delay=100) on the same burst: N concurrent requests of exactly --prompt-tokens
 prompt tokens and --new-tokens new tokens (EOS ignored), embedded SmolLM2, one run.
 
-    .venv/bin/python benchmarks/rolling_vs_dynamic.py
+    .venv/bin/python -m lmserve.benchmarks.rolling_vs_dynamic
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
-from serving import running_server
+
+from .serving import running_server
 
 CONFIGS = {
     "dynamic (Python, batch_size=4, delay=100)": {

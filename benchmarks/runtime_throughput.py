@@ -1,7 +1,7 @@
 """Prefill and decode throughput of the native runtime against HF transformers on the same
 inputs, and this machine's matmul rate (the roofline decode should approach).
 
-    .venv/bin/python benchmarks/runtime_throughput.py [--batches 1 8 32 64] [--dtypes fp32 bf16]
+    .venv/bin/python -m lmserve.benchmarks.runtime_throughput [--batches 1 8] [--dtypes fp32]
 
 Each batch: B prompts of --prompt-len random tokens prefilled in one packed step, then
 --decode-steps steps of B decode tokens. HF: `generate` (greedy, EOS ignored) with a logits

@@ -1,7 +1,7 @@
 """Cold start, single-request latency and concurrent throughput of `lmserve serve` on the
 embedded SmolLM2-135M-Instruct, engine=Python. Prints a markdown table.
 
-    .venv/bin/python benchmarks/serve_latency.py --batch-size 4 --max-batch-delay 100
+    .venv/bin/python -m lmserve.benchmarks.serve_latency --batch-size 4 --max-batch-delay 100
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
-from serving import running_server
+
+from .serving import running_server
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
