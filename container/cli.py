@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config_parser.add_argument("--model-dir", type=Path)
     config_parser.set_defaults(run=show_config)
+    bench_parser = commands.add_parser(
+        "bench", help="load-test servers: throughput, TTFT, latency; table, JSON, plots"
+    )
+    from lmserve.benchmarks import bench_cli
+
+    bench_cli.add_arguments(bench_parser)
+    bench_parser.set_defaults(run=bench_cli.run)
     return parser
 
 

@@ -1,0 +1,94 @@
+"""`lmserve bench`: one workload against one or more servers, reported as a markdown table,
+JSON and PNG plots.
+
+    lmserve bench --url http://127.0.0.1:8080 --num-requests 32 --input-len 32 --output-len 128
+    lmserve bench --config dynamic=dyn.properties --config rolling=roll.properties ...
+    lmserve bench --url http://127.0.0.1:8000 --api openai --model NAME ...   # e.g. vLLM
+
+`--config LABEL=FILE` starts lmserve with that serving.properties for its run (then stops it);
+`--qps` sends a Poisson stream instead of a burst; lengths are fixed (`128`) or uniform
+(`uniform:16:256`); EOS is ignored so output lengths are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from lmserve.properties.config import default_cache_dir
+from lmserve.properties.javaprops import parse_properties
+
+from . import loadgen, report
+from .serving import running_server
+from .workload import Lengths, PromptBuilder, plan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="a running server")
+    target.add_argument(
+        "--config", action="append", metavar="LABEL=FILE", help="serving.properties to start"
+    )
+    parser.add_argument("--api", choices=["lmserve", "openai"], default="lmserve")
+    parser.add_argument("--model", help="model name for --api openai")
+    parser.add_argument("--label", default="server", help="row label for --url")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--input-len", type=Lengths.parse, default=Lengths(32, 32))
+    parser.add_argument("--output-len", type=Lengths.parse, default=Lengths(128, 128))
+    parser.add_argument("--qps", type=float, help="Poisson arrivals; default: one burst")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", type=Path, help="model dir with tokenizer.json")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--title", help="plot and table title")
+    parser.add_argument("--port", type=int, default=8099, help="for --config servers")
+
+
+def run(args: argparse.Namespace) -> int:
+    tokenizer_dir = args.tokenizer or _default_tokenizer_dir()
+    builder = PromptBuilder(str(tokenizer_dir / "tokenizer.json"), args.seed)
+    planned = plan(builder, args.num_requests, args.input_len, args.output_len, args.qps, args.seed)
+    arrival = "burst" if args.qps is None else f"Poisson {args.qps}/s"
+    title = args.title or (
+        f"{args.num_requests} requests ({arrival}), input {args.input_len}, "
+        f"output {args.output_len} tokens"
+    )
+    runs = {}
+    for label, url, properties in _targets(args):
+        if properties is None:
+            runs[label] = _measure(url, args, planned)
+            continue
+        with running_server(properties, args.port) as (started_url, _):
+            runs[label] = _measure(started_url, args, planned)
+        print(f"{label}: {runs[label]['summary']['throughput_tokens_per_s']:.1f} tokens/s")
+    written = report.write(runs, args.out, title)
+    print(report.markdown(runs))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0 if all(r["summary"]["errors"] == 0 for r in runs.values()) else 1
+
+
+def _measure(url: str, args, planned) -> dict:
+    loadgen.run(url, args.api, planned[:2], args.model)  # warm-up
+    wall, results = loadgen.run(url, args.api, planned, args.model)
+    return {
+        "url": url,
+        "summary": report.summarize(wall, results),
+        "requests": [r.to_dict() for r in results],
+    }
+
+
+def _targets(args):
+    if args.url:
+        yield args.label, args.url.rstrip("/"), None
+        return
+    for spec in args.config:
+        label, _, path = spec.partition("=")
+        if not path:
+            label, path = Path(spec).stem, spec
+        entries = parse_properties(Path(path).read_text())
+        yield label, None, {entry.key: entry.value for entry in entries}
+
+
+def _default_tokenizer_dir() -> Path:
+    from lmserve.rolling_batch.model_source import local_model_path
+
+    return local_model_path(None, default_cache_dir())
