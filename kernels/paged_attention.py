@@ -24,16 +24,74 @@ def paged_attention_reference(
     max_query_len: int,
     max_seq_len: int,
 ) -> torch.Tensor:
-    """Pads every sequence to the longest query and context so one batched einsum serves
-    the whole step (a Python loop per sequence costs more than the math at decode sizes)."""
+    """Pads sequences to the longest query and context so one batched einsum serves many
+    (a Python loop per sequence costs more than the math at decode sizes). Decodes and prompt
+    chunks are padded separately: one 256-token chunk beside 31 decodes would otherwise pad
+    every decode to 256 query rows."""
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    decoding = q_lens == 1
+    if bool(decoding.all()) or not bool(decoding.any()):
+        return _padded_attention(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            max_query_len,
+            max_seq_len,
+        )
+    out = torch.empty_like(query)
+    for group in (decoding, ~decoding):
+        seqs = group.nonzero().flatten()
+        starts = query_start_loc[:-1][seqs].long()
+        lens = q_lens[seqs].long()
+        rows = torch.repeat_interleave(starts, lens) + _offsets_within(lens)
+        group_start_loc = torch.zeros(len(seqs) + 1, dtype=query_start_loc.dtype)
+        group_start_loc[1:] = lens.cumsum(0)
+        out[rows] = _padded_attention(
+            query[rows],
+            k_cache,
+            v_cache,
+            block_tables[seqs],
+            seq_lens[seqs],
+            group_start_loc.to(query.device),
+            scale,
+            int(lens.max()),
+            int(seq_lens[seqs].max()),
+        )
+    return out
+
+
+def _offsets_within(lens: torch.Tensor) -> torch.Tensor:
+    """[0..l0-1, 0..l1-1, ...] for lengths l0, l1, ..."""
+    total = int(lens.sum())
+    starts = torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    return torch.arange(total, device=lens.device) - starts
+
+
+def _padded_attention(
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    max_query_len,
+    max_seq_len,
+) -> torch.Tensor:
     num_seqs = seq_lens.shape[0]
     num_tokens, q_heads, head_dim = query.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q_heads // kv_heads
     num_blocks = -(-max_seq_len // block_size)
     tables = block_tables[:, :num_blocks].long()
-    keys = k_cache[tables].reshape(num_seqs, num_blocks * block_size, kv_heads, head_dim)
-    values = v_cache[tables].reshape(num_seqs, num_blocks * block_size, kv_heads, head_dim)
+    if num_blocks == 1:  # contiguous slots: gather only the filled part of each block
+        k_cache, v_cache = k_cache[:, :max_seq_len], v_cache[:, :max_seq_len]
+    keys = k_cache[tables].reshape(num_seqs, -1, kv_heads, head_dim)
+    values = v_cache[tables].reshape(num_seqs, -1, kv_heads, head_dim)
     keys, values = keys[:, :max_seq_len].float(), values[:, :max_seq_len].float()
 
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
