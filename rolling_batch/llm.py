@@ -191,7 +191,7 @@ class _MPIEngine:
                 raise TimeoutError(f"the MPI ranks did not answer {message['op']!r} in time")
         reply = protocol.unpack(self._socket.recv())
         if "error" in reply:
-            raise RuntimeError(reply["error"])
+            raise ValueError(reply["error"])
         return reply
 
     def close(self) -> None:

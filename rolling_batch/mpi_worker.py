@@ -95,17 +95,20 @@ def serve_driver(runner, broadcaster: StepBroadcaster, address: str, limits) -> 
         if op == "hello":
             reply = {"ok": True}
         elif op == "generate":
-            token_ids = generate_greedy(
-                broadcaster,
-                runner.num_blocks,
-                runner.block_size,
-                *limits,
-                message["prompts"],
-                message["max_new_tokens"],
-                set(message["eos_token_ids"]),
-                message["ignore_eos"],
-            )
-            reply = {"token_ids": token_ids}
+            try:
+                token_ids = generate_greedy(
+                    broadcaster,
+                    runner.num_blocks,
+                    runner.block_size,
+                    *limits,
+                    message["prompts"],
+                    message["max_new_tokens"],
+                    set(message["eos_token_ids"]),
+                    message["ignore_eos"],
+                )
+                reply = {"token_ids": token_ids}
+            except ValueError as error:  # refused before any step: the other ranks are idle
+                reply = {"error": str(error)}
         elif op == "shutdown":
             broadcaster.stop_followers()
             sock.send_multipart([identity, protocol.pack({"ok": True})])

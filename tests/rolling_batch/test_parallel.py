@@ -65,3 +65,12 @@ def test_three_ranks_with_replicated_kv_heads_match_one_process(tiny_model_dir):
         sharded = llm.generate(prompts, max_new_tokens=12, ignore_eos=True)
     assert [r.token_ids for r in sharded] == [r.token_ids for r in single]
     assert all(len(r.token_ids) == 12 for r in single)
+
+
+def test_a_prompt_too_long_for_the_cache_is_refused_and_the_ranks_keep_serving(tiny_model_dir):
+    settings = dict(model=tiny_model_dir, dtype="fp32", max_model_len=64, cache_dir=TEST_CACHE_DIR)
+    with LLM(tensor_parallel_degree=2, **settings) as llm:
+        with pytest.raises(ValueError, match="exceed the 64 tokens"):
+            llm.generate([list(range(5, 65))], max_new_tokens=10)
+        (result,) = llm.generate([[5, 6, 7]], max_new_tokens=3, ignore_eos=True)
+    assert len(result.token_ids) == 3
