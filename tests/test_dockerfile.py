@@ -6,6 +6,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,5 +22,9 @@ def test_image_runs_lmserve_serve_on_8080_and_copies_every_package():
     assert 'ENTRYPOINT ["lmserve"]' in text and 'CMD ["serve"]' in text
     assert "EXPOSE 8080" in text
     assert "torch==2.13.0" in text
-    for package in ("properties", "container", "handlers", "rolling_batch", "kernels"):
-        assert f"COPY {package} ./{package}" in text
+    # `pip install .` in the image needs every folder pyproject maps into lmserve.*.
+    with open(ROOT / "pyproject.toml", "rb") as file:
+        folders = tomllib.load(file)["tool"]["setuptools"]["package-dir"].values()
+    assert "benchmarks" in folders
+    for folder in folders:
+        assert f"COPY {folder} ./{folder}" in text
