@@ -4,6 +4,7 @@ brings the engine back and serves again."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -61,7 +62,20 @@ def kill_rank_one_under_load(server: Server) -> tuple[list[requests.Response], f
 
 def test_dead_rank_answers_everyone_and_the_server_exits(tmp_path, tiny_model_dir):
     server = start(tmp_path, tiny_model_dir)
+    streamed: list[dict] = []
+
+    def stream():
+        body = {**LONG, "stream": True}
+        with requests.post(f"{server.url}/invocations", json=body, stream=True, timeout=60) as r:
+            streamed.extend(json.loads(line) for line in r.iter_lines() if line)
+
+    streaming_client = threading.Thread(target=stream)
+    streaming_client.start()
     answers, waited = kill_rank_one_under_load(server)
+    streaming_client.join(timeout=20)
+    # The stream had begun: its answer is a last line carrying the error.
+    assert streamed and "token" in streamed[0]
+    assert streamed[-1]["code"] == 503 and "engine" in streamed[-1]["error"]
     assert len(answers) == 3, "a client got no answer"
     assert waited < 10
     assert all(a.status_code == 503 and "engine" in a.json()["message"] for a in answers)
