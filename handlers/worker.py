@@ -57,12 +57,7 @@ class PythonEngineLoop:
         if op == protocol.OP_GENERATE:
             if not self.batcher.can_add():
                 limit = self.batcher.max_queued
-                self._send(
-                    identity,
-                    protocol.error_event(
-                        request_id, 503, f"job queue full ({limit} requests; job_queue_size)"
-                    ),
-                )
+                self._send(identity, protocol.queue_full_event(request_id, limit))
                 return
             params = GenerationParams(**message["params"])
             self.batcher.add(
@@ -75,9 +70,7 @@ class PythonEngineLoop:
         elif op == protocol.OP_COUNT_RESPONSE:
             self.http_responses[message["status"]] += 1
         elif op == protocol.OP_STATS:
-            self._send(
-                identity, {"kind": protocol.KIND_STATS, "id": request_id, "stats": self.stats()}
-            )
+            self._send(identity, protocol.stats_event(request_id, self.stats()))
 
     def stats(self) -> dict:
         return {

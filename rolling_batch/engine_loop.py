@@ -135,9 +135,7 @@ class RollingEngine:
                 self.stats.finished["abort"] += 1
                 self.sampler.forget(request_id)
         elif op == protocol.OP_STATS:
-            self._send(
-                identity, {"kind": protocol.KIND_STATS, "id": request_id, "stats": self.snapshot()}
-            )
+            self._send(identity, protocol.stats_event(request_id, self.snapshot()))
         elif op == protocol.OP_COUNT_RESPONSE:
             self.stats.http_responses[message["status"]] += 1
 
@@ -153,8 +151,7 @@ class RollingEngine:
             self._send(identity, protocol.error_event(request_id, 400, reason))
             return
         if len(self.scheduler.waiting) >= self.max_waiting:
-            reason = f"job queue full ({self.max_waiting} requests waiting; job_queue_size)"
-            self._send(identity, protocol.error_event(request_id, 503, reason))
+            self._send(identity, protocol.queue_full_event(request_id, self.max_waiting))
             return
         request = Request(request_id, prompt_ids, params, time.monotonic(), reply_to=identity)
         self.scheduler.add(request)

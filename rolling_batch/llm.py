@@ -27,6 +27,7 @@ from lmserve.properties.config import default_cache_dir
 from . import protocol
 from .engine_setup import RuntimeOptions, build_runner
 from .layers.parallel import TensorParallelGroup
+from .model_loader import eos_token_ids
 from .model_source import local_model_path
 from .mpi_launch import rank_command
 from .offline_generation import generate_greedy
@@ -56,14 +57,17 @@ class LLM:
         trust_remote_code: bool = False,
         loading_timeout_s: float = 600.0,
     ):
-        from transformers import AutoTokenizer, GenerationConfig
+        from transformers import AutoTokenizer
 
         cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.model_path = local_model_path(model, cache)
         self.tokenizer = AutoTokenizer.from_pretrained(
             self.model_path, trust_remote_code=trust_remote_code
         )
-        self.eos_token_ids = _eos_token_ids(self.model_path, GenerationConfig, self.tokenizer)
+        fallback = self.tokenizer.eos_token_id
+        self.eos_token_ids = eos_token_ids(self.model_path) or (
+            {fallback} if fallback is not None else set()
+        )
         options = RuntimeOptions(
             dtype=dtype,
             max_model_len=max_model_len,
@@ -109,18 +113,6 @@ class LLM:
 
     def __exit__(self, *_exc) -> None:
         self.close()
-
-
-def _eos_token_ids(model_path: Path, generation_config_class, tokenizer) -> set[int]:
-    try:
-        eos = generation_config_class.from_pretrained(model_path).eos_token_id
-    except OSError:
-        eos = None
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return set()
-    return {eos} if isinstance(eos, int) else set(eos)
 
 
 class _InProcessEngine:

@@ -97,6 +97,16 @@ def error_event(request_id: str, status: int, message: str) -> dict:
     return {"kind": KIND_ERROR, "id": request_id, "status": status, "message": message}
 
 
+def queue_full_event(request_id: str, limit: int) -> dict:
+    return error_event(
+        request_id, 503, f"job queue full ({limit} requests waiting; job_queue_size)"
+    )
+
+
+def stats_event(request_id: str, stats: dict) -> dict:
+    return {"kind": KIND_STATS, "id": request_id, "stats": stats}
+
+
 def pack(message: dict) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 

@@ -13,22 +13,11 @@ from . import protocol
 from .block_manager import BlockManager
 from .engine_loop import RollingEngine
 from .engine_setup import RuntimeOptions, build_runner
+from .model_loader import eos_token_ids
 from .mpi_worker import StepBroadcaster, follow, make_group
 from .runtime import Runtime, write_state
 from .sampler import Sampler
 from .scheduler import Scheduler
-
-
-def eos_token_ids(model_path: str) -> set[int]:
-    from transformers import GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:
-        return set()
-    if eos is None:
-        return set()
-    return {eos} if isinstance(eos, int) else set(eos)
 
 
 def main() -> None:
