@@ -55,10 +55,10 @@ def run(args: argparse.Namespace) -> int:
     runs = {}
     for label, url, properties in _targets(args):
         if properties is None:
-            runs[label] = _measure(url, args, planned)
+            runs[label] = measure(url, args.api, planned, args.model)
             continue
         with running_server(properties, args.port) as (started_url, _):
-            runs[label] = _measure(started_url, args, planned)
+            runs[label] = measure(started_url, args.api, planned, args.model)
         print(f"{label}: {runs[label]['summary']['throughput_tokens_per_s']:.1f} tokens/s")
     written = report.write(runs, args.out, title)
     print(report.markdown(runs))
@@ -66,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["summary"]["errors"] == 0 for r in runs.values()) else 1
 
 
-def _measure(url: str, args, planned) -> dict:
-    loadgen.run(url, args.api, planned[:2], args.model)  # warm-up
-    wall, results = loadgen.run(url, args.api, planned, args.model)
+def measure(url: str, api: str, planned, model: str | None) -> dict:
+    loadgen.run(url, api, planned[:2], model)  # warm-up
+    wall, results = loadgen.run(url, api, planned, model)
     return {
         "url": url,
         "summary": report.summarize(wall, results),

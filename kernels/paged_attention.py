@@ -6,62 +6,82 @@ earlier part is already cached, or one decode token. Sequence `s` owns query row
 tokens in the cache, its K/V already stored; query row `i` sits at absolute position
 `seq_lens[s] - q_len + i` and attends to keys `0..position`. Grouped-query attention: query
 head `h` reads KV head `h // (q_heads // kv_heads)`.
+
+The torch reference (CPU) pads sequences to the longest query and context so one batched
+matmul serves many (a Python loop per sequence costs more than the math at decode sizes).
+Everything that depends only on the step's layout (which cache slots each sequence reads,
+the causal mask, where query rows go) is a `ReferencePlan`, built once per step and shared by
+every layer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
-def paged_attention_reference(
-    query: torch.Tensor,  # [T, q_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [S, max_blocks] int, unused entries any valid block id
-    seq_lens: torch.Tensor,  # [S] int: cached tokens, the new ones included
-    query_start_loc: torch.Tensor,  # [S + 1] int
-    scale: float,
-    max_query_len: int,
-    max_seq_len: int,
-) -> torch.Tensor:
-    """Pads sequences to the longest query and context so one batched einsum serves many
-    (a Python loop per sequence costs more than the math at decode sizes). Decodes and prompt
-    chunks are padded separately: one 256-token chunk beside 31 decodes would otherwise pad
-    every decode to 256 query rows."""
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    decoding = q_lens == 1
-    if bool(decoding.all()) or not bool(decoding.any()):
-        return _padded_attention(
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale,
-            max_query_len,
-            max_seq_len,
-        )
-    out = torch.empty_like(query)
-    for group in (decoding, ~decoding):
-        seqs = group.nonzero().flatten()
-        starts = query_start_loc[:-1][seqs].long()
-        lens = q_lens[seqs].long()
-        rows = torch.repeat_interleave(starts, lens) + _offsets_within(lens)
-        group_start_loc = torch.zeros(len(seqs) + 1, dtype=query_start_loc.dtype)
-        group_start_loc[1:] = lens.cumsum(0)
-        out[rows] = _padded_attention(
-            query[rows],
-            k_cache,
-            v_cache,
-            block_tables[seqs],
-            seq_lens[seqs],
-            group_start_loc.to(query.device),
-            scale,
-            int(lens.max()),
-            int(seq_lens[seqs].max()),
-        )
-    return out
+@dataclass(frozen=True)
+class _Group:
+    """Sequences padded together: all decodes, or all prompt chunks."""
+
+    rows: torch.Tensor | None  # query rows of these sequences; None: every row, in order
+    slots: torch.Tensor  # [S * L] cache slot of each (sequence, key position), padding -> 0
+    num_seqs: int
+    context: int  # L, the longest context
+    query_len: int  # Q, the longest query
+    token_seq: torch.Tensor | None  # per query row: its sequence and row within it
+    token_row: torch.Tensor | None  # (None for decodes: one row each, in order)
+    bias: torch.Tensor  # [S, 1, Q, L] fp32: 0 where the key is visible, -inf where not
+
+
+@dataclass(frozen=True)
+class ReferencePlan:
+    groups: tuple[_Group, ...]
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: torch.Tensor,  # [S, max_blocks] int, unused entries any valid block id
+        seq_lens: torch.Tensor,  # [S] int: cached tokens, the new ones included
+        query_start_loc: torch.Tensor,  # [S + 1] int
+        block_size: int,
+    ) -> ReferencePlan:
+        """Decodes and prompt chunks are padded separately: one 256-token chunk beside 31
+        decodes would otherwise pad every decode to 256 query rows."""
+        q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+        decoding = q_lens == 1
+        if bool(decoding.all()) or not bool(decoding.any()):
+            everyone = torch.arange(len(q_lens), device=q_lens.device)
+            return cls((_group(everyone, None, block_tables, seq_lens, q_lens, block_size),))
+        groups = []
+        for members in (decoding, ~decoding):
+            seqs = members.nonzero().flatten()
+            starts = query_start_loc[:-1][seqs].long()
+            rows = torch.repeat_interleave(starts, q_lens[seqs]) + _offsets_within(q_lens[seqs])
+            groups.append(_group(seqs, rows, block_tables, seq_lens, q_lens, block_size))
+        return cls(tuple(groups))
+
+
+def _group(seqs, rows, block_tables, seq_lens, q_lens, block_size) -> _Group:
+    device = block_tables.device
+    lens, seq_len = q_lens[seqs], seq_lens[seqs].long()
+    context, query_len = int(seq_len.max()), int(lens.max())
+    key_index = torch.arange(context, device=device)
+    tables = block_tables[seqs].long()
+    slots = tables[:, key_index // block_size] * block_size + key_index % block_size
+    positions = (seq_len - lens)[:, None] + torch.arange(query_len, device=device)
+    # Keys up to each row's position (so also < seq_len). Every real row sees at least key 0;
+    # padding rows are dropped afterwards.
+    visible = key_index[None, None, :] <= positions[:, :, None]
+    bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+    token_seq = token_row = None
+    if query_len > 1:
+        token_seq = torch.repeat_interleave(torch.arange(len(seqs), device=device), lens)
+        token_row = _offsets_within(lens)
+    return _Group(
+        rows, slots.flatten(), len(seqs), context, query_len, token_seq, token_row, bias[:, None]
+    )
 
 
 def _offsets_within(lens: torch.Tensor) -> torch.Tensor:
@@ -71,7 +91,69 @@ def _offsets_within(lens: torch.Tensor) -> torch.Tensor:
     return torch.arange(total, device=lens.device) - starts
 
 
-def _padded_attention(
+def attend(
+    query: torch.Tensor,  # [T, q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    plan: ReferencePlan,
+    scale: float,
+) -> torch.Tensor:
+    if len(plan.groups) == 1 and plan.groups[0].rows is None:
+        return _attend_group(query, k_cache, v_cache, plan.groups[0], scale)
+    out = torch.empty_like(query)
+    for group in plan.groups:
+        out[group.rows] = _attend_group(query[group.rows], k_cache, v_cache, group, scale)
+    return out
+
+
+def _attend_group(query, k_cache, v_cache, group: _Group, scale: float) -> torch.Tensor:
+    num_tokens, q_heads, head_dim = query.shape
+    kv_heads = k_cache.shape[2]
+    shape = (group.num_seqs, group.context, kv_heads, head_dim)
+    # index_select: several times faster than advanced indexing for this gather on CPU.
+    keys = k_cache.view(-1, kv_heads, head_dim).index_select(0, group.slots).view(shape)
+    values = v_cache.view(-1, kv_heads, head_dim).index_select(0, group.slots).view(shape)
+    if group.token_seq is None:
+        padded = query.view(group.num_seqs, 1, q_heads, head_dim)
+    else:
+        padded = query.new_zeros(group.num_seqs, group.query_len, q_heads, head_dim)
+        padded[group.token_seq, group.token_row] = query
+    if query.dtype == torch.float32:
+        # SDPA's fused softmax: half the time of einsum + mask + softmax in fp32 here.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            padded.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=group.bias,
+            scale=scale,
+            enable_gqa=True,  # query head h reads KV head h // (q_heads // kv_heads)
+        ).transpose(1, 2)
+    else:
+        out = _attend_low_precision(padded, keys, values, group.bias, scale)
+    if group.token_seq is None:
+        return out.reshape(num_tokens, q_heads, head_dim)
+    return out[group.token_seq, group.token_row]
+
+
+def _attend_low_precision(query, keys, values, bias, scale) -> torch.Tensor:
+    """bf16/fp16 as HF's eager attention computes it: scores and values in the model dtype,
+    softmax in fp32. CPU SDPA in bf16 measured 3-4x slower than this here."""
+    num_seqs, query_len, q_heads, head_dim = query.shape
+    kv_heads = keys.shape[2]
+    group = q_heads // kv_heads
+    # [S, kv, group * Q, d]: the query heads that share a KV head are stacked as rows.
+    stacked = query.view(num_seqs, query_len, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    stacked = stacked.reshape(num_seqs, kv_heads, group * query_len, head_dim)
+    scores = torch.matmul(stacked, keys.permute(0, 2, 3, 1)).float().mul_(scale)
+    scores = scores.view(num_seqs, kv_heads, group, query_len, -1).add_(bias[:, :, None])
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    probs = probs.view(num_seqs, kv_heads, group * query_len, -1)
+    out = torch.matmul(probs, values.transpose(1, 2))  # [S, kv, group * Q, d]
+    out = out.view(num_seqs, kv_heads, group, query_len, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_seqs, query_len, q_heads, head_dim)
+
+
+def paged_attention_reference(
     query,
     k_cache,
     v_cache,
@@ -82,38 +164,9 @@ def _padded_attention(
     max_query_len,
     max_seq_len,
 ) -> torch.Tensor:
-    num_seqs = seq_lens.shape[0]
-    num_tokens, q_heads, head_dim = query.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = -(-max_seq_len // block_size)
-    tables = block_tables[:, :num_blocks].long()
-    if num_blocks == 1:  # contiguous slots: gather only the filled part of each block
-        k_cache, v_cache = k_cache[:, :max_seq_len], v_cache[:, :max_seq_len]
-    keys = k_cache[tables].reshape(num_seqs, -1, kv_heads, head_dim)
-    values = v_cache[tables].reshape(num_seqs, -1, kv_heads, head_dim)
-    keys, values = keys[:, :max_seq_len].float(), values[:, :max_seq_len].float()
-
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=query.device), q_lens)
-    token_row = torch.arange(num_tokens, device=query.device) - query_start_loc[token_seq].long()
-    padded = query.new_zeros(num_seqs, max_query_len, q_heads, head_dim, dtype=torch.float32)
-    padded[token_seq, token_row] = query.float()
-    positions = (seq_lens.long() - q_lens)[:, None] + torch.arange(
-        max_query_len, device=query.device
-    )
-    key_index = torch.arange(max_seq_len, device=query.device)
-    # [S, 1, q, L]; also < seq_len. Every real row sees at least key 0; padding rows are dropped.
-    allowed = (key_index[None, None, :] <= positions[:, :, None])[:, None]
-    # SDPA's fused softmax: half the time of einsum + mask + softmax for decode batches here.
-    out = torch.nn.functional.scaled_dot_product_attention(
-        padded.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=allowed,
-        scale=scale,
-        enable_gqa=True,  # query head h reads KV head h // (q_heads // kv_heads)
-    ).transpose(1, 2)
-    return out[token_seq, token_row].to(query.dtype)
+    """The whole computation for one layer; a model builds the plan once per step instead."""
+    plan = ReferencePlan.build(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+    return attend(query, k_cache, v_cache, plan, scale)
 
 
 def paged_attention(
@@ -126,10 +179,14 @@ def paged_attention(
     scale,
     max_query_len,
     max_seq_len,
+    plan: ReferencePlan | None = None,
 ) -> torch.Tensor:
-    args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    """`plan`: the step's `ReferencePlan` on CPU (built here when not given); unused on CUDA."""
     if query.is_cuda:
         from .paged_attention_triton import paged_attention_triton
 
+        args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
         return paged_attention_triton(*args, max_query_len, max_seq_len)
-    return paged_attention_reference(*args, max_query_len, max_seq_len)
+    if plan is None:
+        plan = ReferencePlan.build(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+    return attend(query, k_cache, v_cache, plan, scale)

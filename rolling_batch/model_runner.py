@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from lmserve.kernels.paged_attention import ReferencePlan
+
 from .layers.attention import AttentionMetadata
 from .step import SequenceChunk
 
@@ -53,12 +55,19 @@ class ModelRunner:
         def tensor(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+        block_tables = tensor(tables).to(torch.int32)
+        seq_lens_tensor = tensor(seq_lens).to(torch.int32)
+        query_start_loc = tensor(q_starts).to(torch.int32)
+        plan = None
+        if self.device.type == "cpu":  # every layer reuses it
+            plan = ReferencePlan.build(block_tables, seq_lens_tensor, query_start_loc, block_size)
         meta = AttentionMetadata(
             slot_mapping=tensor(slots),
-            block_tables=tensor(tables).to(torch.int32),
-            seq_lens=tensor(seq_lens).to(torch.int32),
-            query_start_loc=tensor(q_starts).to(torch.int32),
+            block_tables=block_tables,
+            seq_lens=seq_lens_tensor,
+            query_start_loc=query_start_loc,
             max_query_len=max(len(chunk.token_ids) for chunk in chunks),
             max_seq_len=max(seq_lens),
+            reference_plan=plan,
         )
         return tensor(token_ids), tensor(positions), meta, tensor(logits_rows)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lmserve.kernels import paged_attention, store_kv
+from lmserve.kernels.paged_attention import ReferencePlan
 
 from .linear import QKVLinear, RowLinear
 from .norm_and_rotary import RotaryEmbedding
@@ -24,6 +25,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1]
     max_query_len: int
     max_seq_len: int
+    reference_plan: ReferencePlan | None = None  # CPU: the attention layout, once per step
 
 
 class Attention(nn.Module):
@@ -73,5 +75,6 @@ class Attention(nn.Module):
             self.scale,
             meta.max_query_len,
             meta.max_seq_len,
+            meta.reference_plan,
         )
         return self.o_proj(out.reshape(num_tokens, q_size))
