@@ -57,6 +57,17 @@ def test_reference_equals_contiguous_attention(scenario, block_size, q_heads, kv
     torch.testing.assert_close(got, contiguous_attention(case, 0.3), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 4), (9, 3)])
+def test_bf16_reference_stays_within_bf16_of_fp32_attention(scenario, q_heads, kv_heads):
+    """bf16 takes its own path (scores in bf16, softmax in fp32, as HF's eager attention)."""
+    case = make_case(SCENARIOS[scenario], 4, q_heads, kv_heads, 16, dtype=torch.bfloat16)
+    got = paged_attention_reference(*case.args(0.25))
+    assert got.dtype == torch.bfloat16
+    expected = contiguous_attention(case, 0.25)
+    torch.testing.assert_close(got.float(), expected, rtol=3e-2, atol=3e-2)
+
+
 # The interpreter runs Triton 400-1400x slower than torch: small shapes only.
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("block_size", [1, 16])
