@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+_BUCKET = 16
+
 
 @dataclass(frozen=True)
 class _Group:
@@ -66,9 +68,14 @@ class ReferencePlan:
 def _group(seqs, rows, block_tables, seq_lens, q_lens, block_size) -> _Group:
     device = block_tables.device
     lens, seq_len = q_lens[seqs], seq_lens[seqs].long()
-    context, query_len = int(seq_len.max()), int(lens.max())
-    key_index = torch.arange(context, device=device)
     tables = block_tables[seqs].long()
+    # Lengths rounded up to a multiple of _BUCKET (within the blocks the table names): oneDNN
+    # builds a new matmul for every new shape, ~0.6 ms each here, and a context that grows by
+    # one token every step would otherwise be a new shape every step. The extra keys are
+    # masked out, the extra query rows dropped.
+    context = min(_round_up(int(seq_len.max())), tables.shape[1] * block_size)
+    query_len = _round_up(int(lens.max())) if int(lens.max()) > 1 else 1
+    key_index = torch.arange(context, device=device)
     slots = tables[:, key_index // block_size] * block_size + key_index % block_size
     positions = (seq_len - lens)[:, None] + torch.arange(query_len, device=device)
     # Keys up to each row's position (so also < seq_len). Every real row sees at least key 0;
@@ -82,6 +89,10 @@ def _group(seqs, rows, block_tables, seq_lens, q_lens, block_size) -> _Group:
     return _Group(
         rows, slots.flatten(), len(seqs), context, query_len, token_seq, token_row, bias[:, None]
     )
+
+
+def _round_up(length: int) -> int:
+    return -(-length // _BUCKET) * _BUCKET
 
 
 def _offsets_within(lens: torch.Tensor) -> torch.Tensor:

@@ -91,4 +91,9 @@ def load_model(
     with _default_dtype(dtype):
         model = model_class(hf_config, group, max_model_len)
     model.load_weights(iter_checkpoint(model_path))
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    import os
+
+    if device.type == "cpu" and not os.environ.get("NOPACK"):
+        model.pack_for_cpu()
+    return model

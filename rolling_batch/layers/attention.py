@@ -11,7 +11,7 @@ from lmserve.kernels import paged_attention, store_kv
 from lmserve.kernels.paged_attention import ReferencePlan
 
 from .linear import QKVLinear, RowLinear
-from .norm_and_rotary import RotaryEmbedding
+from .norm_and_rotary import RopeTables, RotaryEmbedding
 from .parallel import HeadShard, TensorParallelGroup
 
 
@@ -51,18 +51,19 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: RopeTables,
         hidden: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
+        num_q, num_kv = self.heads.num_q, self.heads.num_kv
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         qkv = self.qkv_proj(hidden)
-        query = qkv[:, :q_size].view(num_tokens, self.heads.num_q, self.head_dim)
-        key = qkv[:, q_size : q_size + kv_size].view(num_tokens, self.heads.num_kv, self.head_dim)
-        value = qkv[:, q_size + kv_size :].view(num_tokens, self.heads.num_kv, self.head_dim)
-        query, key = self.rotary(positions, query, key)
+        # Query and key heads sit side by side in qkv: one rotation serves both.
+        query_key = qkv[:, : q_size + kv_size].view(num_tokens, num_q + num_kv, self.head_dim)
+        query, key = self.rotary.apply(rope, query_key).split([num_q, num_kv], dim=1)
+        value = qkv[:, q_size + kv_size :].view(num_tokens, num_kv, self.head_dim)
         k_cache, v_cache = kv_cache
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(

@@ -31,9 +31,8 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard=None) -> None:
         param.data.copy_(full[self.vocab_start : self.vocab_start + self.num_local])
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits from this rank's slice of an LM head weight."""
-        local = nn.functional.linear(hidden, weight)
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits from this rank's slice (`hidden @ local LM head rows`)."""
         return self.group.all_gather_last_dim(local, [size for _, size in self.splits])
 
 

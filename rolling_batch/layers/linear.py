@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .cpu_matmul import PackableLinear
 from .parallel import HeadShard, TensorParallelGroup, balanced_split
 
 
@@ -19,7 +20,7 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class QKVLinear(nn.Module):
+class QKVLinear(PackableLinear):
     def __init__(self, hidden_size: int, head_dim: int, heads: HeadShard, bias: bool):
         super().__init__()
         self.head_dim = head_dim
@@ -30,7 +31,7 @@ class QKVLinear(nn.Module):
         self.bias = _empty(self.q_size + 2 * self.kv_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: str) -> None:
         """`shard` is "q", "k" or "v"; `full` is that projection's whole weight (or bias)."""
@@ -43,7 +44,7 @@ class QKVLinear(nn.Module):
         param.data[target : target + rows[1]].copy_(full[rows[0] : rows[0] + rows[1]])
 
 
-class MergedColumnLinear(nn.Module):
+class MergedColumnLinear(PackableLinear):
     """Several column-parallel projections of the same input in one matmul (gate and up)."""
 
     def __init__(self, in_features: int, out_features: list[int], group: TensorParallelGroup, bias):
@@ -55,7 +56,7 @@ class MergedColumnLinear(nn.Module):
         self.bias = _empty(local) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: int) -> None:
         start, size = self.splits[shard]
@@ -63,7 +64,7 @@ class MergedColumnLinear(nn.Module):
         param.data[offset : offset + size].copy_(full[start : start + size])
 
 
-class RowLinear(nn.Module):
+class RowLinear(PackableLinear):
     """Input features [in_start, in_start + in_size) of the full layer live here; the partial
     outputs of all ranks are summed (the bias is added once, after the sum)."""
 
@@ -75,7 +76,7 @@ class RowLinear(nn.Module):
         self.bias = _empty(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.group.all_reduce(nn.functional.linear(x, self.weight))
+        out = self.group.all_reduce(self.matmul(x))
         return out if self.bias is None else out + self.bias
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard=None) -> None:

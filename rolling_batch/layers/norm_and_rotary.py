@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, head_dim] each
+
 # Static frequency schemes. "dynamic" and "longrope" change with the sequence length.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
@@ -50,11 +52,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos() * scaling, persistent=False)
         self.register_buffer("sin", angles.sin() * scaling, persistent=False)
 
-    def forward(self, positions, query, key) -> tuple[torch.Tensor, torch.Tensor]:
-        """query/key: [T, heads, head_dim]; positions: [T]."""
-        cos = self.cos[positions][:, None, :].to(query.dtype)
-        sin = self.sin[positions][:, None, :].to(query.dtype)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos/sin rows for a step's positions [T], looked up once and shared by every layer."""
+        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
+
+    @staticmethod
+    def apply(tables: RopeTables, heads: torch.Tensor) -> torch.Tensor:
+        """heads: [T, n, head_dim], query and key heads alike."""
+        cos, sin = tables
+        return heads * cos + _rotate_half(heads) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..layers.attention import Attention, AttentionMetadata
+from ..layers.cpu_matmul import PackableLinear, PackedWeight, try_pack
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnLinear, RowLinear
 from ..layers.norm_and_rotary import RMSNorm, RotaryEmbedding
@@ -53,8 +54,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+    def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -69,6 +70,7 @@ class LlamaModel(nn.Module):
         o_bias = getattr(config, "attention_bias", False)
         qkv_bias = o_bias or is_qwen2
         rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.rotary = rotary
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, head_dim, rotary, group, qkv_bias, o_bias)
@@ -78,8 +80,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, meta)
+            hidden = layer(rope, hidden, kv_cache, meta)
         return self.norm(hidden)
 
 
@@ -96,6 +99,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, group, max_positions)
         self.tied = getattr(config, "tie_word_embeddings", False)
+        self.lm_head_packed: PackedWeight | None = None
         if not self.tied:
             self.lm_head = ParallelLMHead(self.model.embed_tokens, config.hidden_size)
 
@@ -103,8 +107,22 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return self.model.embed_tokens.logits(hidden, weight).float()
+        if self.lm_head_packed is not None:
+            local = self.lm_head_packed(hidden)
+        else:
+            local = nn.functional.linear(hidden, self._lm_head_weight())
+        return self.model.embed_tokens.gather_logits(local).float()
+
+    def _lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+
+    def pack_for_cpu(self) -> None:
+        """oneDNN-packed weights for every linear and the LM head (layers/cpu_matmul.py). A
+        tied LM head is packed as a copy: the embedding lookup still reads its rows."""
+        for module in self.modules():
+            if isinstance(module, PackableLinear):
+                module.pack()
+        self.lm_head_packed = try_pack(self._lm_head_weight().data)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
