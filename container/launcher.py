@@ -21,7 +21,7 @@ from pathlib import Path
 
 from lmserve.properties.config import ServingConfig
 from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.mpi_launch import rank_command
+from lmserve.rolling_batch.mpi_launch import engine_environment, rank_command
 from lmserve.rolling_batch.runtime import Runtime, read_state, write_state
 
 from . import gunicorn_conf
@@ -58,7 +58,7 @@ class Supervisor:
         runtime_path = self.runtime.write()
         write_state(self.runtime, protocol.STATE_LOADING, "loading the model")
         try:
-            self.engine = self._start(engine_command(self.runtime.config, runtime_path))
+            self.engine = self._start_engine(runtime_path)
             self.http = self._start(self._gunicorn_command(runtime_path))
             return self._supervise(runtime_path)
         finally:
@@ -77,8 +77,12 @@ class Supervisor:
             f"lmserve.container.app:create_app({str(runtime_path)!r})",
         ]
 
-    def _start(self, command: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(command, start_new_session=True)
+    def _start(self, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        return subprocess.Popen(command, start_new_session=True, env=env)
+
+    def _start_engine(self, runtime_path: Path) -> subprocess.Popen:
+        command = engine_command(self.runtime.config, runtime_path)
+        return self._start(command, engine_environment())
 
     def _supervise(self, runtime_path: Path) -> int:
         config = self.runtime.config
@@ -120,7 +124,7 @@ class Supervisor:
         _stop_group(self.engine)
         time.sleep(RESTART_GRACE_S)  # waiting requests are answered from the failed state
         write_state(self.runtime, protocol.STATE_LOADING, f"restarting after: {reason}")
-        self.engine = self._start(engine_command(self.runtime.config, runtime_path))
+        self.engine = self._start_engine(runtime_path)
 
     def _engine_failed(self, reason: str) -> int:
         log.error("%s; answering with errors for %.0f s, then exiting", reason, FAILED_GRACE_S)

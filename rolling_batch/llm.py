@@ -29,7 +29,7 @@ from .engine_setup import RuntimeOptions, build_runner
 from .layers.parallel import TensorParallelGroup
 from .model_loader import eos_token_ids
 from .model_source import local_model_path
-from .mpi_launch import rank_command
+from .mpi_launch import engine_environment, rank_command
 from .offline_generation import generate_greedy
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class _MPIEngine:
         address = f"ipc://{self._ipc_dir}/rank0.sock"
         settings = {"model_path": str(model_path), "options": asdict(options), "address": address}
         command = rank_command(ranks, "lmserve.rolling_batch.mpi_worker", json.dumps(settings))
-        self._process = subprocess.Popen(command, start_new_session=True)
+        self._process = subprocess.Popen(command, start_new_session=True, env=engine_environment())
         # An LLM dropped without close() (or an interpreter exiting) still stops its ranks.
         self._finalizer = weakref.finalize(self, _kill_ranks, self._process, self._ipc_dir)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)

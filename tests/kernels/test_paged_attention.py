@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmserve.kernels.paged_attention import paged_attention_reference
+from lmserve.kernels.paged_attention import ReferencePlan, paged_attention_reference
 
 from .paged_cases import make_case
 
@@ -15,6 +15,9 @@ SCENARIOS = {
     "decode": [(1, 1), (7, 1), (33, 1)],
     "prefill": [(5, 5), (17, 17), (1, 1)],
     "chunked": [(20, 6), (9, 9), (40, 1), (3, 2)],
+    # Decodes of very different lengths are attended in separate groups.
+    "decode_spread": [(600, 1), (20, 1), (590, 1), (15, 1), (33, 1), (9, 1), (12, 1)],
+    "mixed_spread": [(600, 1), (20, 1), (40, 6), (590, 1), (15, 1), (33, 1), (9, 1)],
 }
 
 
@@ -55,6 +58,14 @@ def test_reference_equals_contiguous_attention(scenario, block_size, q_heads, kv
     case = make_case(SCENARIOS[scenario], block_size, q_heads, kv_heads, head_dim=8)
     got = paged_attention_reference(*case.args(0.3))
     torch.testing.assert_close(got, contiguous_attention(case, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_decodes_of_spread_lengths_are_split_into_groups():
+    case = make_case(SCENARIOS["mixed_spread"], 16, 4, 2, head_dim=8)
+    plan = ReferencePlan.build(case.block_tables, case.seq_lens, case.query_start_loc, 16)
+    members = sorted(sorted(group.rows.tolist()) for group in plan.groups)
+    # The two long decodes, the short decodes, the prompt chunk (rows 2..7).
+    assert members == [[0, 8], [1, 9, 10, 11], [2, 3, 4, 5, 6, 7]]
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
