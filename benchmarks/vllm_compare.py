@@ -124,7 +124,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", required=True, help="python of the venv holding vLLM")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(VLLM_DTYPES), default=["fp32"])
     parser.add_argument("--out", type=Path, default=HERE / "results" / "vllm")
-    parser.add_argument("--port", type=int, default=8099)
+    parser.add_argument("--port", type=int, default=8099, help="lmserve's; vLLM's is the next")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating runs per server")
     options = parser.parse_args()
 
     from lmserve.rolling_batch.model_source import local_model_path
@@ -139,13 +140,20 @@ def main() -> None:
     options.out.mkdir(parents=True, exist_ok=True)
     for dtype in options.dtypes:
         runs: dict[str, dict[str, dict]] = {name: {} for name in planned}
-        with running_server(lmserve_properties(dtype), options.port) as (url, _):
-            for name, workload in planned.items():
-                runs[name]["lmserve (rolling, paged)"] = measure(url, "lmserve", workload, None)
         log_path = Path(tempfile.gettempdir()) / f"lmserve-bench-vllm-{dtype}.log"
-        with running_vllm(options.vllm_python, model_dir, dtype, options.port, log_path) as url:
-            for name, workload in planned.items():
-                runs[name][vllm_label] = measure(url, "openai", workload, "smollm2")
+        # Both servers up at once, their runs interleaved: this machine's speed drifts by
+        # 10-30% over minutes, and alternating keeps the drift out of the comparison.
+        with (
+            running_server(lmserve_properties(dtype), options.port) as (ours, _),
+            running_vllm(options.vllm_python, model_dir, dtype, options.port + 1, log_path) as peer,
+        ):
+            for round_ in range(1, options.rounds + 1):
+                for name, workload in planned.items():
+                    label = f", round {round_}" if options.rounds > 1 else ""
+                    lmserve_run = measure(ours, "lmserve", workload, None)
+                    vllm_run = measure(peer, "openai", workload, "smollm2")
+                    runs[name][f"lmserve (rolling, paged){label}"] = lmserve_run
+                    runs[name][f"{vllm_label}{label}"] = vllm_run
         for name, count, inputs, outputs in WORKLOADS:
             title = (
                 f"lmserve vs vLLM, {dtype}: burst of {count}, input {inputs}, output {outputs},"
