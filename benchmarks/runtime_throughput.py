@@ -11,6 +11,8 @@ processor that timestamps every step: prompt forward, then each decode step. Bot
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
@@ -21,6 +23,7 @@ from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
 from lmserve.rolling_batch.layers.cpu_matmul import try_pack
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
 from lmserve.rolling_batch.model_source import local_model_path
+from lmserve.rolling_batch.mpi_launch import engine_environment
 from lmserve.rolling_batch.step import SequenceChunk
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -109,6 +112,13 @@ def hf(model, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        # Both runtimes under the allocator settings the engine processes get (glibc reads
+        # them at start-up only).
+        module = "lmserve.benchmarks.runtime_throughput"
+        os.execve(
+            sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], engine_environment()
+        )
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
