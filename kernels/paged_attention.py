@@ -25,7 +25,7 @@ _BUCKET = 16
 
 @dataclass(frozen=True)
 class _Group:
-    """Sequences padded together: all decodes, or all prompt chunks."""
+    """Sequences padded together: decodes of similar context length, or the prompt chunks."""
 
     rows: torch.Tensor | None  # query rows of these sequences; None: every row, in order
     slots: torch.Tensor  # [S * L] cache slot of each (sequence, key position), padding -> 0
