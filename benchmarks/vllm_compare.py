@@ -85,6 +85,9 @@ def running_vllm(python: str, model_dir: Path, dtype: str, port: int, log_path: 
         # On CPU this is the share of RAM vLLM reserves (for its KV cache).
         "--gpu-memory-utilization",
         "0.3",
+        # lmserve has no prefix cache, and each run's warm-up repeats two of its prompts: with
+        # vLLM's cache on, those would be served from it. Engines are compared, not caches.
+        "--no-enable-prefix-caching",
     ]
     url = f"http://127.0.0.1:{port}"
     with log_path.open("w") as log:
@@ -132,14 +135,16 @@ def main() -> None:
 
     model_dir = local_model_path(None, default_cache_dir())
     builder = PromptBuilder(str(model_dir / "tokenizer.json"), seed=0)
+    # Fresh prompts for every round: nothing either server saw before.
     planned = {
-        name: plan(builder, count, inputs, outputs, None, 0)
+        (name, round_): plan(builder, count, inputs, outputs, None, round_)
         for name, count, inputs, outputs in WORKLOADS
+        for round_ in range(1, options.rounds + 1)
     }
     vllm_label = f"vLLM {vllm_version(options.vllm_python)} (CPU)"
     options.out.mkdir(parents=True, exist_ok=True)
     for dtype in options.dtypes:
-        runs: dict[str, dict[str, dict]] = {name: {} for name in planned}
+        runs: dict[str, dict[str, dict]] = {name: {} for name, *_ in WORKLOADS}
         log_path = Path(tempfile.gettempdir()) / f"lmserve-bench-vllm-{dtype}.log"
         # Both servers up at once, their runs interleaved: this machine's speed drifts by
         # 10-30% over minutes, and alternating keeps the drift out of the comparison.
@@ -147,13 +152,12 @@ def main() -> None:
             running_server(lmserve_properties(dtype), options.port) as (ours, _),
             running_vllm(options.vllm_python, model_dir, dtype, options.port + 1, log_path) as peer,
         ):
-            for round_ in range(1, options.rounds + 1):
-                for name, workload in planned.items():
-                    label = f", round {round_}" if options.rounds > 1 else ""
-                    lmserve_run = measure(ours, "lmserve", workload, None)
-                    vllm_run = measure(peer, "openai", workload, "smollm2")
-                    runs[name][f"lmserve (rolling, paged){label}"] = lmserve_run
-                    runs[name][f"{vllm_label}{label}"] = vllm_run
+            for (name, round_), workload in planned.items():
+                label = f", round {round_}" if options.rounds > 1 else ""
+                lmserve_run = measure(ours, "lmserve", workload, None)
+                vllm_run = measure(peer, "openai", workload, "smollm2")
+                runs[name][f"lmserve (rolling, paged){label}"] = lmserve_run
+                runs[name][f"{vllm_label}{label}"] = vllm_run
         for name, count, inputs, outputs in WORKLOADS:
             title = (
                 f"lmserve vs vLLM, {dtype}: burst of {count}, input {inputs}, output {outputs},"
