@@ -38,16 +38,23 @@ def running_server(properties: dict[str, object], port: int):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            try:
-                if requests.get(f"{url}/ping", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if server.poll() is not None or time.monotonic() - started > 300:
-                raise SystemExit(f"server did not become healthy: {properties}")
-            time.sleep(0.1)
+        if not wait_healthy(server, f"{url}/ping", started + 300):
+            raise SystemExit(f"server did not become healthy: {properties}")
         yield url, time.monotonic() - started
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait()
+
+
+def wait_healthy(server: subprocess.Popen, health_url: str, deadline: float) -> bool:
+    """Poll `health_url` until it answers 200 (True), or the server exits or the monotonic
+    `deadline` passes (False)."""
+    while True:
+        try:
+            if requests.get(health_url, timeout=1).status_code == 200:
+                return True
+        except requests.ConnectionError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)

@@ -22,13 +22,11 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import requests
-
 from lmserve.properties.config import default_cache_dir
 
 from . import report
 from .bench_cli import measure
-from .serving import running_server
+from .serving import running_server, wait_healthy
 from .workload import Lengths, PromptBuilder, plan
 
 HERE = Path(__file__).resolve().parent
@@ -93,16 +91,8 @@ def running_vllm(python: str, model_dir: Path, dtype: str, port: int, log_path: 
     with log_path.open("w") as log:
         server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 600
-            while True:
-                try:
-                    if requests.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except requests.ConnectionError:
-                    pass
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"vLLM did not become healthy; see {log_path}")
-                time.sleep(1)
+            if not wait_healthy(server, f"{url}/health", time.monotonic() + 600):
+                raise SystemExit(f"vLLM did not become healthy; see {log_path}")
             yield url
         finally:
             server.send_signal(signal.SIGINT)
