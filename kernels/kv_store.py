@@ -16,10 +16,12 @@ def store_kv_reference(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int
 ) -> None:
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[keep].to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[keep].to(v_cache.dtype))
+    slots = slot_mapping.long()
+    if not bool((slots >= 0).all()):  # padding to skip (the model runner's steps have none)
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
