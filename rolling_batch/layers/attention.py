@@ -34,7 +34,6 @@ class Attention(nn.Module):
         hidden_size: int,
         head_dim: int,
         heads: HeadShard,
-        rotary: RotaryEmbedding,
         group: TensorParallelGroup,
         qkv_bias: bool,
         o_bias: bool,
@@ -43,7 +42,6 @@ class Attention(nn.Module):
         self.heads = heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
-        self.rotary = rotary
         self.qkv_proj = QKVLinear(hidden_size, head_dim, heads, qkv_bias)
         self.o_proj = RowLinear(
             heads.q_start * head_dim, heads.num_q * head_dim, hidden_size, group, o_bias
@@ -62,7 +60,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)
         # Query and key heads sit side by side in qkv: one rotation serves both.
         query_key = qkv[:, : q_size + kv_size].view(num_tokens, num_q + num_kv, self.head_dim)
-        query, key = self.rotary.apply(rope, query_key).split([num_q, num_kv], dim=1)
+        query, key = RotaryEmbedding.apply(rope, query_key).split([num_q, num_kv], dim=1)
         value = qkv[:, q_size + kv_size :].view(num_tokens, num_kv, self.head_dim)
         k_cache, v_cache = kv_cache
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)

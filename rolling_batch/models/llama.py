@@ -42,14 +42,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, head_dim, rotary, group, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, head_dim, group, qkv_bias: bool, o_bias: bool):
         super().__init__()
         heads = shard_heads(
             config.num_attention_heads, config.num_key_value_heads, group.world_size, group.rank
         )
-        self.self_attn = Attention(
-            config.hidden_size, head_dim, heads, rotary, group, qkv_bias, o_bias
-        )
+        self.self_attn = Attention(config.hidden_size, head_dim, heads, group, qkv_bias, o_bias)
         self.mlp = LlamaMLP(config, group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -69,11 +67,10 @@ class LlamaModel(nn.Module):
         is_qwen2 = "Qwen2ForCausalLM" in (config.architectures or [])
         o_bias = getattr(config, "attention_bias", False)
         qkv_bias = o_bias or is_qwen2
-        rotary = RotaryEmbedding(config, head_dim, max_positions)
-        self.rotary = rotary
+        self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim, rotary, group, qkv_bias, o_bias)
+            LlamaDecoderLayer(config, head_dim, group, qkv_bias, o_bias)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
