@@ -1,6 +1,6 @@
 """Prometheus text exposition of the engine's stats (requests, queue, running, KV blocks,
-tokens, time to first token and per-token latency). The engine keeps the numbers, so every
-gunicorn worker reports the same ones."""
+tokens, time to first token and per-token latency, where the rolling engine's step time goes).
+The engine keeps the numbers, so every gunicorn worker reports the same ones."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def render(stats: dict | None, model_name: str) -> str:
         "tokens_generated": "tokens generated",
         "num_preemptions": "requests preempted for KV blocks",
         "num_steps": "rolling-batch steps run",
+        "step_sequences": "sequences in rolling-batch steps (over num_steps: the mean batch)",
     }
     for key, help_text in counters.items():
         if key in stats:
@@ -49,9 +50,18 @@ def render(stats: dict | None, model_name: str) -> str:
     for key, help_text in (
         ("time_to_first_token_seconds", "time from arrival to the first token"),
         ("time_per_output_token_seconds", "time between consecutive tokens of a request"),
+        ("step_seconds", "wall time of a rolling-batch step, socket to socket"),
+        ("step_forward_seconds", "the model's forward pass within a step"),
     ):
         if key in stats:
             lines += _histogram(key, help_text, label, stats[key])
+    if "step_phase_seconds" in stats:
+        lines += _metric(
+            "step_phase_seconds_total",
+            "counter",
+            "rolling-batch step time by phase (intake, schedule, forward, sample, update, send)",
+            [(f'{label},phase="{p}"', s) for p, s in stats["step_phase_seconds"].items()],
+        )
     return "\n".join(lines) + "\n"
 
 

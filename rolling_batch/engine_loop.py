@@ -22,7 +22,7 @@ from collections.abc import Callable
 import zmq
 
 from . import protocol
-from .engine_stats import EngineStats
+from .engine_stats import EngineStats, PhaseTimer
 from .ipc import drain_router
 from .protocol import GenerationParams
 from .request import Request
@@ -32,6 +32,7 @@ from .scheduler import Scheduler, SchedulerOutput
 log = logging.getLogger("lmserve.engine")
 
 _IDLE_POLL_MS = 100
+_PROFILE_LOG_S = 30.0  # while busy, a log line of where the steps' time went
 
 
 class RollingEngine:
@@ -59,18 +60,26 @@ class RollingEngine:
     def run_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        timer = PhaseTimer()
         while True:
             busy = self.scheduler.has_work()
+            timer.restart()
             if poller.poll(0 if busy else _IDLE_POLL_MS):
+                if not busy:
+                    timer.restart()  # waiting for work is not step time
                 drain_router(self.socket, self._handle)
+            timer.mark("intake")
             if self.scheduler.has_work():
-                self.step()
+                self.step(timer)
 
-    def step(self) -> None:
+    def step(self, timer: PhaseTimer | None = None) -> None:
+        timer = timer or PhaseTimer()
         out = self.scheduler.schedule()
         if not out.requests:
             return
+        timer.mark("schedule")
         try:
+            # On CUDA this returns before the kernels finish: their time shows in "sample".
             logits = self.execute(out.chunks)
         except Exception as error:
             if self.world_size > 1:
@@ -78,16 +87,29 @@ class RollingEngine:
             log.exception("model step failed; failing its %d requests", len(out.requests))
             self._fail(out.requests, 424, f"model step failed: {error!r}")
             return
+        timer.mark("forward")
         sampled, failed = self.sampler.sample(logits, out.sampling)
+        timer.mark("sample")
         for request, error in failed:
             self._fail([request], 424, f"sampling failed: {error}")
         before = len(self.scheduler.running)
         produced = self.scheduler.update(out, sampled, self.eos_token_ids)
         self._count_step(out, before, produced)
-        for request, token, log_prob in produced:
-            self._emit(request, token, log_prob, len(out.requests))
+        events = [self._event(r, token, lp, len(out.requests)) for r, token, lp in produced]
+        timer.mark("update")
+        for request, event in events:
+            self._send(request.reply_to, event)
+        timer.mark("send")
+        self._profile(timer, len(out.requests))
 
-    def _emit(self, request: Request, token: int, log_prob: float, batch_size: int) -> None:
+    def _profile(self, timer: PhaseTimer, batch_size: int) -> None:
+        self.stats.steps.record(timer, batch_size)
+        summary = self.stats.steps.take_summary(_PROFILE_LOG_S)
+        if summary is not None:
+            log.info("%s", summary)
+
+    def _event(self, request: Request, token: int, log_prob: float, batch_size: int):
+        """(request, its event for this step's token), counted in the stats."""
         now = time.monotonic()
         if request.first_token_time is None:
             request.first_token_time = now
@@ -109,7 +131,7 @@ class RollingEngine:
             event = protocol.final_event(
                 request.request_id, [token], [log_prob], request.finish_reason, batch_size
             )
-        self._send(request.reply_to, event)
+        return request, event
 
     def _count_step(self, out: SchedulerOutput, running_before: int, produced) -> None:
         self.stats.num_steps += 1

@@ -1,15 +1,20 @@
 """Counters and latency histograms of the rolling engine, sent to the front end on request
-(for /models and /metrics). Torch-free."""
+(for /models and /metrics), and where each step's wall time goes. Torch-free."""
 
 from __future__ import annotations
 
 import bisect
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 # Seconds. Time to first token spans prefill queues; per-token latency is one decode step.
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# A CPU decode step of SmolLM2 takes 20-70 ms; a long prefill chunk seconds.
+STEP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+# A step's phases in loop order; "intake" reads the socket before the step.
+PHASES = ("intake", "schedule", "forward", "sample", "update", "send")
 
 
 @dataclass
@@ -36,6 +41,88 @@ class Histogram:
         }
 
 
+class PhaseTimer:
+    """Splits one step's wall time into PHASES: `mark(phase)` ends that phase at now."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
+
+
+@dataclass
+class _Window:
+    """Sums over the steps since the last log line."""
+
+    num_steps: int = 0
+    num_sequences: int = 0
+    step_seconds: float = 0.0
+    phase_seconds: Counter = field(default_factory=Counter)
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class StepProfile:
+    """Each step's wall time (loop iteration from reading the socket to the last send) and its
+    forward pass, as histograms for /metrics, and per-phase totals: the time the engine loses
+    outside the model is step - forward."""
+
+    step_seconds: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))
+    forward_seconds: Histogram = field(default_factory=lambda: Histogram(STEP_BUCKETS))
+    phase_seconds: Counter = field(default_factory=Counter)
+    num_sequences: int = 0  # summed batch sizes: / num steps = mean batch
+    window: _Window = field(default_factory=_Window)
+
+    def record(self, timer: PhaseTimer, batch_size: int) -> None:
+        self.step_seconds.observe(timer.total)
+        self.forward_seconds.observe(timer.seconds.get("forward", 0.0))
+        self.phase_seconds.update(timer.seconds)
+        self.num_sequences += batch_size
+        window = self.window
+        window.num_steps += 1
+        window.num_sequences += batch_size
+        window.step_seconds += timer.total
+        window.phase_seconds.update(timer.seconds)
+
+    def take_summary(self, every_s: float) -> str | None:
+        """One log line of means over the last `every_s` seconds or more (None before then),
+        then a new window starts."""
+        window = self.window
+        if not window.num_steps or time.monotonic() - window.started < every_s:
+            return None
+        self.window = _Window()
+        n = window.num_steps
+
+        def ms(seconds: float) -> str:
+            return f"{1000 * seconds / n:.1f}"
+
+        phases = " ".join(f"{p}={ms(window.phase_seconds[p])}" for p in PHASES)
+        return (
+            f"{n} steps in {time.monotonic() - window.started:.0f} s, mean batch"
+            f" {window.num_sequences / n:.1f}; per step ms: step={ms(window.step_seconds)}"
+            f" {phases}"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "step_seconds": self.step_seconds.to_dict(),
+            "step_forward_seconds": self.forward_seconds.to_dict(),
+            "step_phase_seconds": {p: self.phase_seconds[p] for p in PHASES},
+            "step_sequences": self.num_sequences,
+        }
+
+
 @dataclass
 class EngineStats:
     num_steps: int = 0
@@ -46,6 +133,7 @@ class EngineStats:
     http_responses: Counter = field(default_factory=Counter)  # status -> responses
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     time_per_token: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    steps: StepProfile = field(default_factory=StepProfile)
 
     def to_dict(self) -> dict:
         return {
@@ -57,4 +145,5 @@ class EngineStats:
             "http_responses": {str(k): v for k, v in self.http_responses.items()},
             "time_to_first_token_seconds": self.time_to_first_token.to_dict(),
             "time_per_output_token_seconds": self.time_per_token.to_dict(),
+            **self.steps.to_dict(),
         }

@@ -1,0 +1,147 @@
+"""The rolling engine's loop with a fake model over real ZeroMQ sockets: every request gets its
+tokens and one final event, each step's time is split into phases for /metrics and the log,
+and a stats request is answered between steps."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import pytest
+import torch
+import zmq
+
+from lmserve.rolling_batch import engine_loop, protocol
+from lmserve.rolling_batch.block_manager import BlockManager
+from lmserve.rolling_batch.engine_loop import RollingEngine
+from lmserve.rolling_batch.engine_stats import PHASES, PhaseTimer, StepProfile
+from lmserve.rolling_batch.ipc import drain_router
+from lmserve.rolling_batch.protocol import GenerationParams
+from lmserve.rolling_batch.sampler import Sampler
+from lmserve.rolling_batch.scheduler import Scheduler
+
+VOCAB = 64
+
+
+def fake_execute(chunks) -> torch.Tensor:
+    """Logits whose argmax is (last token + 1) % VOCAB: a predictable greedy 'model'."""
+    rows = [chunk for chunk in chunks if chunk.needs_logits]
+    logits = torch.zeros(len(rows), VOCAB)
+    for row, chunk in enumerate(rows):
+        logits[row, (chunk.token_ids[-1] + 1) % VOCAB] = 5.0
+    return logits
+
+
+@pytest.fixture
+def sockets():
+    context = zmq.Context.instance()
+    address = f"inproc://engine-{uuid.uuid4().hex}"
+    router = context.socket(zmq.ROUTER)
+    router.bind(address)
+    dealers = []
+
+    def connect() -> zmq.Socket:
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(address)
+        dealers.append(dealer)
+        return dealer
+
+    yield router, connect
+    for socket in [router, *dealers]:
+        socket.close(linger=0)
+
+
+def make_engine(router) -> RollingEngine:
+    scheduler = Scheduler(BlockManager(64, 16), 8, 256, 512)
+    return RollingEngine(fake_execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100)
+
+
+def receive_all(dealer: zmq.Socket) -> list[dict]:
+    events = []
+    while dealer.poll(0):
+        events.append(protocol.unpack(dealer.recv()))
+    return events
+
+
+def run_until_idle(engine: RollingEngine) -> None:
+    drain_router(engine.socket, engine._handle)
+    while engine.scheduler.has_work():
+        engine.step()
+
+
+def submit(dealer, request_id: str, prompt: list[int], max_new: int) -> None:
+    params = GenerationParams(max_new_tokens=max_new, ignore_eos=True)
+    dealer.send(protocol.pack(protocol.generate_message(request_id, prompt, params)))
+
+
+def wait_for_messages(router: zmq.Socket) -> None:
+    assert router.poll(2000), "no message reached the engine"
+
+
+def test_every_request_gets_its_tokens_and_one_final_event(sockets):
+    router, connect = sockets
+    engine = make_engine(router)
+    first, second = connect(), connect()
+    submit(first, "a", [5, 6], 4)
+    submit(first, "b", [10], 3)
+    submit(second, "c", [20, 21, 22], 5)
+    wait_for_messages(router)
+    run_until_idle(engine)
+    tokens: dict[str, list[int]] = {}
+    finals: dict[str, str] = {}
+    for dealer in (first, second):
+        for event in receive_all(dealer):
+            tokens.setdefault(event["id"], []).extend(event["token_ids"])
+            if event["kind"] == protocol.KIND_FINAL:
+                finals[event["id"]] = event["finish_reason"]
+    assert tokens == {"a": [7, 8, 9, 10], "b": [11, 12, 13], "c": [23, 24, 25, 26, 27]}
+    assert finals == {"a": "length", "b": "length", "c": "length"}
+    engine.scheduler.check_invariants()
+
+
+def test_steps_are_profiled_by_phase(sockets):
+    router, connect = sockets
+    engine = make_engine(router)
+    dealer = connect()
+    submit(dealer, "a", [1, 2, 3], 6)
+    wait_for_messages(router)
+    run_until_idle(engine)
+    stats = engine.snapshot()
+    assert stats["num_steps"] == 6
+    assert stats["step_seconds"]["count"] == 6 and stats["step_forward_seconds"]["count"] == 6
+    assert stats["step_sequences"] == 6
+    phases = stats["step_phase_seconds"]
+    assert set(phases) == set(PHASES) and all(seconds >= 0 for seconds in phases.values())
+    assert phases["forward"] > 0 and stats["step_seconds"]["sum"] >= phases["forward"]
+    dealer.send(protocol.pack({"op": protocol.OP_STATS, "id": "s"}))
+    wait_for_messages(router)
+    run_until_idle(engine)
+    (answer,) = receive_all(dealer)[-1:]
+    assert answer["kind"] == protocol.KIND_STATS and answer["stats"]["num_steps"] == 6
+
+
+def test_profile_log_line_comes_once_a_window_is_long_enough(sockets, caplog, monkeypatch):
+    router, connect = sockets
+    engine = make_engine(router)
+    monkeypatch.setattr(engine_loop, "_PROFILE_LOG_S", 0.0)
+    dealer = connect()
+    submit(dealer, "a", [1, 2, 3], 2)
+    wait_for_messages(router)
+    with caplog.at_level(logging.INFO, logger="lmserve.engine"):
+        run_until_idle(engine)
+    lines = [r.getMessage() for r in caplog.records if "per step ms" in r.getMessage()]
+    assert len(lines) == 2 and "mean batch 1.0" in lines[0] and "forward=" in lines[0]
+
+
+def test_step_profile_window_resets_after_a_summary():
+    profile = StepProfile()
+    timer = PhaseTimer()
+    for phase in PHASES:
+        timer.mark(phase)
+    profile.record(timer, batch_size=4)
+    profile.record(timer, batch_size=2)
+    assert profile.take_summary(every_s=3600) is None  # the window is still young
+    summary = profile.take_summary(every_s=0)
+    assert summary.startswith("2 steps") and "mean batch 3.0" in summary
+    assert profile.take_summary(every_s=0) is None  # nothing since
+    assert profile.to_dict()["step_sequences"] == 6
