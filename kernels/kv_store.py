@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu_native
+
 
 def store_kv_reference(
     key: torch.Tensor,  # [T, kv_heads, head_dim]
@@ -29,5 +31,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         from .kv_store_triton import store_kv_triton
 
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif (native := cpu_native.native_ops()) is not None:
+        native.store_kv(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)

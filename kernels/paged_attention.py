@@ -7,11 +7,12 @@ tokens in the cache, its K/V already stored; query row `i` sits at absolute posi
 `seq_lens[s] - q_len + i` and attends to keys `0..position`. Grouped-query attention: query
 head `h` reads KV head `h // (q_heads // kv_heads)`.
 
-The torch reference (CPU) pads sequences to the longest query and context so one batched
-matmul serves many (a Python loop per sequence costs more than the math at decode sizes).
-Everything that depends only on the step's layout (which cache slots each sequence reads,
-the causal mask, where query rows go) is a `ReferencePlan`, built once per step and shared by
-every layer.
+On CPU the C++ kernel (`cpu_native`) serves; the torch reference here is what it is tested
+against, and the fallback without a compiler. The reference pads sequences to the longest
+query and context so one batched matmul serves many (a Python loop per sequence costs more
+than the math at decode sizes). Everything that depends only on the step's layout (which
+cache slots each sequence reads, the causal mask, where query rows go) is a `ReferencePlan`,
+built once per step and shared by every layer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from . import cpu_native
 
 _BUCKET = 16
 
@@ -221,12 +224,18 @@ def paged_attention(
     max_seq_len,
     plan: ReferencePlan | None = None,
 ) -> torch.Tensor:
-    """`plan`: the step's `ReferencePlan` on CPU (built here when not given); unused on CUDA."""
+    """CUDA: the Triton kernel. CPU: the C++ kernel, which reads the cache in place; without
+    it the torch reference with `plan`, the step's `ReferencePlan` (built here if not given)."""
     if query.is_cuda:
         from .paged_attention_triton import paged_attention_triton
 
         args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
         return paged_attention_triton(*args, max_query_len, max_seq_len)
+    native = cpu_native.native_ops()
+    if native is not None:
+        return native.paged_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+        )
     if plan is None:
         plan = ReferencePlan.build(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     return attend(query, k_cache, v_cache, plan, scale)

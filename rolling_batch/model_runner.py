@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from lmserve.kernels import cpu_native
 from lmserve.kernels.paged_attention import ReferencePlan
 
 from .layers.attention import AttentionMetadata
@@ -17,6 +18,8 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        if device.type == "cpu":
+            cpu_native.native_ops()  # built (first start on a machine) or loaded now, not mid-step
 
     @property
     def num_blocks(self) -> int:
@@ -59,7 +62,7 @@ class ModelRunner:
         seq_lens_tensor = tensor(seq_lens).to(torch.int32)
         query_start_loc = tensor(q_starts).to(torch.int32)
         plan = None
-        if self.device.type == "cpu":  # every layer reuses it
+        if self.device.type == "cpu" and cpu_native.native_ops() is None:  # every layer uses it
             plan = ReferencePlan.build(block_tables, seq_lens_tensor, query_start_loc, block_size)
         meta = AttentionMetadata(
             slot_mapping=tensor(slots),

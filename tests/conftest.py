@@ -17,6 +17,8 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/proc/driver/nvidia/
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Kept between local runs (gitignored) so the ~20 s GGUF conversion happens once per machine.
 TEST_CACHE_DIR = REPO_ROOT / ".cache" / "tests"
+# Servers the tests start get this cache too: the C++ CPU kernels are built once for all.
+os.environ.setdefault("LMSERVE_CACHE_DIR", str(TEST_CACHE_DIR))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 

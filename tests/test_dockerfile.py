@@ -22,6 +22,8 @@ def test_image_runs_lmserve_serve_on_8080_and_copies_every_package():
     assert 'ENTRYPOINT ["lmserve"]' in text and 'CMD ["serve"]' in text
     assert "EXPOSE 8080" in text
     assert "torch==2.13.0" in text
+    # The C++ CPU kernels need a compiler in the image and are built at image build time.
+    assert "g++" in text and "native_ops()" in text
     # `pip install .` in the image needs every folder pyproject maps into lmserve.*.
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     with open(ROOT / "pyproject.toml", "rb") as file:

@@ -11,7 +11,7 @@ from lmserve.kernels import paged_attention, store_kv
 from lmserve.kernels.paged_attention import ReferencePlan
 
 from .linear import QKVLinear, RowLinear
-from .norm_and_rotary import RopeTables, RotaryEmbedding
+from .norm_and_rotary import StepRope
 from .parallel import HeadShard, TensorParallelGroup
 
 
@@ -25,7 +25,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S + 1]
     max_query_len: int
     max_seq_len: int
-    reference_plan: ReferencePlan | None = None  # CPU: the attention layout, once per step
+    reference_plan: ReferencePlan | None = None  # CPU without native kernels: the layout
 
 
 class Attention(nn.Module):
@@ -49,7 +49,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        rope: RopeTables,
+        rope: StepRope,
         hidden: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
@@ -60,7 +60,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)
         # Query and key heads sit side by side in qkv: one rotation serves both.
         query_key = qkv[:, : q_size + kv_size].view(num_tokens, num_q + num_kv, self.head_dim)
-        query, key = RotaryEmbedding.apply(rope, query_key).split([num_q, num_kv], dim=1)
+        query, key = rope.rotate(query_key).split([num_q, num_kv], dim=1)
         value = qkv[:, q_size + kv_size :].view(num_tokens, num_kv, self.head_dim)
         k_cache, v_cache = kv_cache
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)

@@ -1,12 +1,17 @@
 """RMSNorm and rotary position embeddings, computed exactly as HF transformers' Llama does
-(so fp32 logits match): RMSNorm in fp32 then cast; cos/sin from fp32 frequencies."""
+(so fp32 logits match): RMSNorm in fp32 then cast; cos/sin from fp32 frequencies. On CPU the
+C++ kernels (`lmserve.kernels.cpu_native`) compute both, the norm fused with the residual add;
+the torch code here is their reference and the fallback."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
 
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin_signed: [T, 1, head_dim] each
+from lmserve.kernels import cpu_native
 
 # Static frequency schemes. "dynamic" and "longrope" change with the sequence length.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
@@ -18,7 +23,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`: (norm(residual + x), residual + x), HF's residual add
+        fused in. The native op updates `x` and `residual` in place: callers pass tensors
+        they own (a sublayer's output and the residual stream)."""
+        native = cpu_native.ops_for(x)
+        if residual is None:
+            return (
+                self.reference(x) if native is None else native.rms_norm(x, self.weight, self.eps)
+            )
+        if native is None:
+            residual = residual + x
+            return self.reference(residual), residual
+        native.add_rms_norm_(x, residual, self.weight, self.eps)
+        return x, residual
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -41,6 +63,26 @@ def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
 
 
+@dataclass(frozen=True)
+class StepRope:
+    """One step's rotation, shared by every layer. Native: the positions and the whole fp32
+    tables (the kernel looks rows up itself); reference: the step's rows, [T, 1, head_dim],
+    in the model dtype."""
+
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    positions: torch.Tensor
+    native: ModuleType | None
+
+    def rotate(self, heads: torch.Tensor) -> torch.Tensor:
+        """heads: [T, n, head_dim], query and key heads alike; the native op rotates in place
+        and returns `heads` itself."""
+        if self.native is not None:
+            self.native.rotary_(heads, self.positions, self.cos, self.sin_signed)
+            return heads
+        return heads * self.cos + heads.roll(heads.shape[-1] // 2, dims=-1) * self.sin_signed
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions [0, max_positions), built once.
 
@@ -57,13 +99,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("sin_signed", torch.cat((-sin, sin), dim=-1), persistent=False)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        """cos/sin rows for a step's positions [T], looked up once and shared by every layer."""
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
+        """The rotation of a step's positions [T] (int64), built once for every layer."""
+        native = cpu_native.ops_for(positions)
+        if native is not None:
+            return StepRope(self.cos, self.sin_signed, positions, native)
         cos = self.cos[positions][:, None, :].to(dtype)
-        return cos, self.sin_signed[positions][:, None, :].to(dtype)
-
-    @staticmethod
-    def apply(tables: RopeTables, heads: torch.Tensor) -> torch.Tensor:
-        """heads: [T, n, head_dim], query and key heads alike."""
-        cos, sin_signed = tables
-        return heads * cos + heads.roll(heads.shape[-1] // 2, dims=-1) * sin_signed
+        return StepRope(cos, self.sin_signed[positions][:, None, :].to(dtype), positions, None)

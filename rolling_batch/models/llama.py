@@ -9,6 +9,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from lmserve.kernels import cpu_native
+
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.cpu_matmul import PackableLinear, PackedWeight, try_pack
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -37,7 +39,11 @@ class LlamaMLP(nn.Module):
         self.local = local
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.local, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        native = cpu_native.ops_for(gate_up)
+        if native is not None:
+            return self.down_proj(native.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.local, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -52,9 +58,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope, hidden, residual, kv_cache, meta: AttentionMetadata):
+        """(this layer's MLP output, the residual stream before it): each layer adds the
+        previous one's output to the stream inside its first norm (one fused op on CPU)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -77,10 +90,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, hidden.dtype)
+        rope = self.rotary.for_step(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(rope, hidden, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

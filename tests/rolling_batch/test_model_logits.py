@@ -1,6 +1,7 @@
 """The native model's logits equal HF transformers' (same weights, fp32) within 1e-4 relative,
 on packed steps that mix whole prompts, chunked prompts and decode tokens, for block sizes 1,
-16 and max_model_len (paged attention off)."""
+16 and max_model_len (paged attention off); with the C++ CPU kernels and with the torch
+references that stand in for them where no compiler is found."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from lmserve.kernels import cpu_native
 from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
 from lmserve.rolling_batch.step import SequenceChunk
@@ -60,8 +62,17 @@ def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+@pytest.fixture(params=["native", "reference"])
+def kernels(request, monkeypatch):
+    if request.param == "reference":
+        monkeypatch.setattr(cpu_native, "native_ops", lambda: None)
+    elif cpu_native.native_ops() is None:
+        pytest.skip("no C++ CPU kernels on this machine")
+    return request.param
+
+
 @pytest.mark.parametrize(("block_size", "paged"), [(1, True), (16, True), (None, False)])
-def test_packed_steps_match_hf_logits(model_dir, hf_model, block_size, paged):
+def test_packed_steps_match_hf_logits(model_dir, hf_model, block_size, paged, kernels):
     options = RuntimeOptions(
         dtype="fp32",
         max_model_len=MAX_MODEL_LEN,

@@ -1,0 +1,149 @@
+"""The C++ CPU kernels against their torch references: fp32 to 1e-5, bf16 and fp16 within
+their precision. Every vector ISA this CPU has is built and tested (an AVX-512 machine also
+checks the AVX2 build), so both paths of the one source stay correct."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmserve.kernels import cpu_native
+from lmserve.kernels.kv_store import store_kv_reference
+from lmserve.kernels.paged_attention import paged_attention_reference
+from lmserve.rolling_batch.layers.norm_and_rotary import RMSNorm, StepRope
+
+from ..conftest import TEST_CACHE_DIR
+from .paged_cases import make_case
+from .test_paged_attention import SCENARIOS, contiguous_attention
+
+ISAS = [isa for isa in ("avx512", "avx2") if isa in cpu_native.usable_isas()]
+pytestmark = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX2 nor AVX-512")
+
+LOW_PRECISION = [torch.bfloat16, torch.float16]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def native(request):
+    folder = cpu_native.build_dir(request.param, TEST_CACHE_DIR)
+    return cpu_native.load(cpu_native.build(request.param, folder))
+
+
+def close(got, expected, dtype=torch.float32):
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+def attention_args(case, scale):
+    return case.args(scale)[:7]
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(4, 4, 8), (6, 2, 24), (9, 3, 64)])
+def test_paged_attention_equals_reference_fp32(
+    native, scenario, block_size, q_heads, kv_heads, head_dim
+):
+    case = make_case(SCENARIOS[scenario], block_size, q_heads, kv_heads, head_dim)
+    got = native.paged_attention(*attention_args(case, 0.3))
+    close(got, paged_attention_reference(*case.args(0.3)))
+
+
+def test_paged_attention_long_chunked_prompt_beside_decodes(native):
+    """A prompt chunk longer than one query tile (16 tokens), on top of cached context, in
+    the same call as decodes and a one-token prompt."""
+    seqs = [(120, 70), (300, 1), (1, 1), (45, 45), (64, 1)]
+    case = make_case(seqs, 16, 9, 3, 64, seed=3)
+    close(native.paged_attention(*attention_args(case, 0.125)), contiguous_attention(case, 0.125))
+
+
+def test_paged_attention_reads_query_heads_from_a_fused_qkv_row(native):
+    """The attention layer passes the query as a view into the QKV projection's output."""
+    case = make_case(SCENARIOS["chunked"], 4, 6, 2, 16)
+    tokens = case.query.shape[0]
+    qkv = torch.randn(tokens, (6 + 2 * 2) * 16)
+    qkv[:, : 6 * 16] = case.query.reshape(tokens, -1)
+    query = qkv[:, : 6 * 16].view(tokens, 6, 16)
+    args = (query, *attention_args(case, 0.5)[1:])
+    close(native.paged_attention(*args), paged_attention_reference(*case.args(0.5)))
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("scenario", ["decode_spread", "mixed_spread", "chunked"])
+def test_paged_attention_low_precision_within_its_precision(native, dtype, scenario):
+    case = make_case(SCENARIOS[scenario], 16, 9, 3, 64, dtype=dtype)
+    got = native.paged_attention(*attention_args(case, 0.125))
+    assert got.dtype == dtype
+    close(got, contiguous_attention(case, 0.125), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
+def test_store_kv_writes_what_the_reference_writes(native, dtype):
+    kv_heads, head_dim, tokens = 3, 12, 7
+    qkv = torch.randn(tokens, (2 + 2 * kv_heads) * head_dim).to(dtype)
+    key = qkv[:, 2 * head_dim : (2 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    value = qkv[:, (2 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([3, 0, -1, 17, 9, -1, 34])
+    shape = (5, 7, kv_heads, head_dim)  # an odd block size
+    expected = [torch.zeros(shape, dtype=dtype) for _ in range(2)]
+    got = [torch.zeros(shape, dtype=dtype) for _ in range(2)]
+    store_kv_reference(key, value, *expected, slots)
+    native.store_kv(key, value, *got, slots)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_store_kv_refuses_a_slot_outside_the_cache(native):
+    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        native.store_kv(
+            torch.ones(1, 1, 8), torch.ones(1, 1, 8), k_cache, v_cache, torch.tensor([8])
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
+@pytest.mark.parametrize("head_dim", [8, 64, 72])
+def test_rotary_in_place_equals_reference(native, dtype, head_dim):
+    max_positions, tokens, heads = 300, 9, 5
+    angles = torch.rand(max_positions, head_dim // 2) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
+    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)
+    positions = torch.tensor([0, 1, 2, 7, 299, 150, 3, 3, 40])
+    qkv = torch.randn(tokens, (heads + 2) * head_dim).to(dtype)
+    heads_view = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    untouched = qkv[:, heads * head_dim :].clone()
+    reference = StepRope(
+        cos[positions][:, None].to(dtype), sin[positions][:, None].to(dtype), positions, None
+    ).rotate(heads_view.clone())
+    native.rotary_(heads_view, positions, cos, sin)
+    close(heads_view, reference, dtype)
+    assert torch.equal(qkv[:, heads * head_dim :], untouched)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
+@pytest.mark.parametrize("hidden", [8, 576, 100])
+def test_rms_norm_and_fused_residual_add_equal_reference(native, dtype, hidden):
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = torch.randn(hidden).to(dtype)
+    x, residual = torch.randn(13, hidden).to(dtype), torch.randn(13, hidden).to(dtype)
+    close(native.rms_norm(x, norm.weight, norm.eps), norm.reference(x), dtype)
+
+    summed = residual + x
+    native.add_rms_norm_(x, residual, norm.weight, norm.eps)
+    assert torch.equal(residual, summed)  # the stream is added exactly as HF adds it
+    close(x, norm.reference(summed), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
+@pytest.mark.parametrize("intermediate", [16, 1536, 37])
+def test_silu_and_mul_equals_reference(native, dtype, intermediate):
+    gate_up = (torch.randn(11, 2 * intermediate) * 4).to(dtype)
+    gate, up = gate_up.split(intermediate, dim=-1)
+    close(native.silu_and_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+def test_isa_is_read_from_cpu_flags():
+    assert cpu_native.cpu_isa("flags\t: fpu sse2 avx2 fma f16c\n") == "avx2"
+    flags = "flags\t: avx2 fma f16c avx512f avx512bw avx512vl avx512dq\n"
+    assert cpu_native.cpu_isa(flags) == "avx512"
+    assert cpu_native.cpu_isa("flags\t: fpu sse2 sse4_2\n") is None
