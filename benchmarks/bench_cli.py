@@ -6,8 +6,9 @@ JSON and PNG plots.
     lmserve bench --url http://127.0.0.1:8000 --api openai --model NAME ...   # e.g. vLLM
 
 `--config LABEL=FILE` starts lmserve with that serving.properties for its run (then stops it);
-`--qps` sends a Poisson stream instead of a burst; lengths are fixed (`128`) or uniform
-(`uniform:16:256`); EOS is ignored so output lengths are exact.
+`--qps` sends a Poisson stream instead of a burst; `--concurrency N` keeps at most N requests
+in flight (N clients in a closed loop; `--concurrency 1` sends them one at a time); lengths are
+fixed (`128`) or uniform (`uniform:16:256`); EOS is ignored so output lengths are exact.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=Lengths.parse, default=Lengths(32, 32))
     parser.add_argument("--output-len", type=Lengths.parse, default=Lengths(128, 128))
     parser.add_argument("--qps", type=float, help="Poisson arrivals; default: one burst")
+    parser.add_argument(
+        "--concurrency",
+        type=_positive_int,
+        help="at most N requests in flight, each client sending its next when one ends",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", type=Path, help="model dir with tokenizer.json")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -47,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer_dir = args.tokenizer or _default_tokenizer_dir()
     builder = PromptBuilder(str(tokenizer_dir / "tokenizer.json"), args.seed)
     planned = plan(builder, args.num_requests, args.input_len, args.output_len, args.qps, args.seed)
-    arrival = "burst" if args.qps is None else f"Poisson {args.qps}/s"
+    arrival = describe_arrival(args.qps, args.concurrency)
     title = args.title or (
         f"{args.num_requests} requests ({arrival}), input {args.input_len}, "
         f"output {args.output_len} tokens"
@@ -55,10 +61,10 @@ def run(args: argparse.Namespace) -> int:
     runs = {}
     for label, url, properties in _targets(args):
         if properties is None:
-            runs[label] = measure(url, args.api, planned, args.model)
+            runs[label] = measure(url, args.api, planned, args.model, args.concurrency)
             continue
         with running_server(properties, args.port) as (started_url, _):
-            runs[label] = measure(started_url, args.api, planned, args.model)
+            runs[label] = measure(started_url, args.api, planned, args.model, args.concurrency)
         print(f"{label}: {runs[label]['summary']['throughput_tokens_per_s']:.1f} tokens/s")
     written = report.write(runs, args.out, title)
     print(report.markdown(runs))
@@ -66,14 +72,29 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["summary"]["errors"] == 0 for r in runs.values()) else 1
 
 
-def measure(url: str, api: str, planned, model: str | None) -> dict:
-    loadgen.run(url, api, planned[:2], model)  # warm-up
-    wall, results = loadgen.run(url, api, planned, model)
+def describe_arrival(qps: float | None, concurrency: int | None) -> str:
+    """How requests arrive, in words: "burst", "one at a time", "Poisson 4.0/s, 8 at a time"."""
+    if concurrency is None:
+        return "burst" if qps is None else f"Poisson {qps}/s"
+    bound = "one at a time" if concurrency == 1 else f"{concurrency} at a time"
+    return bound if qps is None else f"Poisson {qps}/s, {bound}"
+
+
+def measure(url: str, api: str, planned, model: str | None, concurrency: int | None = None) -> dict:
+    loadgen.run(url, api, planned[:2], model, concurrency)  # warm-up
+    wall, results = loadgen.run(url, api, planned, model, concurrency)
     return {
         "url": url,
         "summary": report.summarize(wall, results),
         "requests": [r.to_dict() for r in results],
     }
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _targets(args):

@@ -29,8 +29,16 @@ class RequestResult:
         return asdict(self)
 
 
-def run(url: str, api: str, planned: list[PlannedRequest], model: str | None) -> tuple[float, list]:
-    """(wall seconds, results in plan order)."""
+def run(
+    url: str,
+    api: str,
+    planned: list[PlannedRequest],
+    model: str | None,
+    concurrency: int | None = None,
+) -> tuple[float, list]:
+    """(wall seconds, results in plan order). `concurrency` bounds the requests in flight: N
+    clients each send their next request when the last one ends (a closed loop; 1 sends them
+    one at a time). None: every request at its planned time."""
     start = time.monotonic()
     results = [RequestResult(p.input_tokens, p.output_tokens) for p in planned]
     lock = threading.Lock()
@@ -48,7 +56,10 @@ def run(url: str, api: str, planned: list[PlannedRequest], model: str | None) ->
             with lock:
                 result.error = f"{type(error).__name__}: {error}"
 
-    with ThreadPoolExecutor(max(1, len(planned))) as pool:
+    # The pool's workers are the clients: its queue hands out requests in plan order, and a
+    # request's planned time is only ever waited for, never brought forward.
+    clients = len(planned) if concurrency is None else min(concurrency, len(planned))
+    with ThreadPoolExecutor(max(1, clients)) as pool:
         list(pool.map(send, range(len(planned))))
     return time.monotonic() - start, results
 

