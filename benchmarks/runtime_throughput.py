@@ -48,16 +48,27 @@ def _gflops(matmul, size: int, repeats: int) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - started) / 1e9
 
 
-def native(model_path, dtype: str, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
-    max_len = prompt_len + steps + 1
+def batch_runner(model_path, dtype: str, batch: int, max_len: int):
+    """(runner, HF config, each sequence's KV blocks): one process, no tensor parallelism,
+    `batch` sequences of up to `max_len` tokens with disjoint blocks."""
     options = RuntimeOptions(dtype=dtype, max_model_len=max_len, max_num_seqs=batch)
-    runner, _, _ = build_runner(model_path, options, TensorParallelGroup())
+    runner, hf_config, _ = build_runner(model_path, options, TensorParallelGroup())
     per_seq = -(-max_len // runner.block_size)
     blocks = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    return runner, hf_config, blocks
+
+
+def prefill_chunks(blocks, prompt_len: int) -> list[SequenceChunk]:
+    """One prompt of `prompt_len` random tokens (the same ones every run) per sequence."""
     prompts = torch.randint(
-        100, 40000, (batch, prompt_len), generator=torch.Generator().manual_seed(0)
+        100, 40000, (len(blocks), prompt_len), generator=torch.Generator().manual_seed(0)
     )
-    prefill = [SequenceChunk(tuple(p.tolist()), 0, blocks[i], True) for i, p in enumerate(prompts)]
+    return [SequenceChunk(tuple(p.tolist()), 0, blocks[i], True) for i, p in enumerate(prompts)]
+
+
+def native(model_path, dtype: str, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
+    runner, _, blocks = batch_runner(model_path, dtype, batch, prompt_len + steps + 1)
+    prefill = prefill_chunks(blocks, prompt_len)
     runner.execute(prefill)  # warm-up: first calls allocate and pick kernels
     started = time.perf_counter()
     next_tokens = runner.execute(prefill).argmax(-1).tolist()
@@ -111,14 +122,18 @@ def hf(model, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
     return batch * prompt_len / (times[0] - started), batch * steps / (times[-1] - times[0])
 
 
-def main() -> None:
+def run_under_engine_allocator(module: str) -> None:
+    """Re-executes `python -m module` with the allocator settings the engine processes get,
+    unless they are set already (glibc reads them at start-up only)."""
     if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
-        # Both runtimes under the allocator settings the engine processes get (glibc reads
-        # them at start-up only).
-        module = "lmserve.benchmarks.runtime_throughput"
         os.execve(
             sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], engine_environment()
         )
+
+
+def main() -> None:
+    # Both runtimes under the engine's allocator settings.
+    run_under_engine_allocator("lmserve.benchmarks.runtime_throughput")
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
