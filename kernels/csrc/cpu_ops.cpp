@@ -105,6 +105,44 @@ struct AttentionItem {
   int64_t seq, kv_head, token_begin, token_end;  // tokens: indices within the sequence's query
 };
 
+// Scores of `rows` query rows against one block's keys, two ways. Few rows (a decode: one
+// token's heads) take a dot product per (row, key). Many rows (a prompt tile) transpose the
+// block's keys to [head_dim, keys] once, so each row's scores for the whole block come out of
+// head_dim vector FMAs with no horizontal sums.
+constexpr int64_t kTransposeRows = 8;
+
+template <typename T>
+void block_scores_by_dots(const float* q, int64_t rows, const T* k_block, int64_t token_stride,
+                          int64_t in_block, int64_t d, float* kv_row, float* scores,
+                          int64_t score_stride) {
+  for (int64_t t = 0; t < in_block; ++t) {
+    const float* k = as_float(k_block + t * token_stride, kv_row, d);
+    for (int64_t r = 0; r < rows; ++r) scores[r * score_stride + t] = dot(q + r * d, k, d);
+  }
+}
+
+template <typename T>
+void block_scores_transposed(const float* q, int64_t rows, const T* k_block,
+                             int64_t token_stride, int64_t in_block, int64_t d, float* kv_row,
+                             float* keys_t, float* scores, int64_t score_stride) {
+  // keys_t: [d, score_stride], keys past in_block zero (their scores are masked later)
+  std::fill(keys_t, keys_t + d * score_stride, 0.f);
+  for (int64_t t = 0; t < in_block; ++t) {
+    const float* k = as_float(k_block + t * token_stride, kv_row, d);
+    for (int64_t i = 0; i < d; ++i) keys_t[i * score_stride + t] = k[i];
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qr = q + r * d;
+    for (int64_t t = 0; t < score_stride; t += Vec::size()) {
+      Vec acc(0.f);
+      for (int64_t i = 0; i < d; ++i) {
+        acc = at::vec::fmadd(Vec(qr[i]), Vec::loadu(keys_t + i * score_stride + t), acc);
+      }
+      acc.store(scores + r * score_stride + t);
+    }
+  }
+}
+
 template <typename T>
 void attend_item(
     const AttentionItem& item,
@@ -115,14 +153,18 @@ void attend_item(
   const int64_t num_tokens = item.token_end - item.token_begin;
   const int64_t rows = num_tokens * heads_per_kv;  // row r: token r / hpk, head r % hpk
   const int64_t d = head_dim;
-  scratch.resize(rows * d * 2 + rows * (block_size + 2) + 2 * d);
+  // Score rows padded to whole vectors: the exponentials run over full vectors.
+  const int64_t stride = (block_size + Vec::size() - 1) / Vec::size() * Vec::size();
+  scratch.resize(rows * d * 2 + rows * stride + 2 * rows + 2 * d + 2 * d * stride);
   float* q = scratch.data();                 // [rows, d]
   float* acc = q + rows * d;                 // [rows, d]
-  float* scores = acc + rows * d;            // [rows, block_size]
-  float* row_max = scores + rows * block_size;
+  float* scores = acc + rows * d;            // [rows, stride]
+  float* row_max = scores + rows * stride;
   float* row_sum = row_max + rows;
   float* kv_row = row_sum + rows;            // widened K or V row
   float* q_row = kv_row + d;
+  float* keys_t = q_row + d;                 // [d, stride]
+  float* values_f = keys_t + d * stride;     // [block_size, d] widened V (bf16, fp16)
 
   std::vector<int64_t> last_key(rows);  // the last key each row may see
   for (int64_t r = 0; r < rows; ++r) {
@@ -144,18 +186,25 @@ void attend_item(
     const int64_t in_block = std::min(block_size, num_keys - key0);
     const T* k_block = k_cache + (block * block_size * kv_heads + item.kv_head) * d;
     const T* v_block = v_cache + (block * block_size * kv_heads + item.kv_head) * d;
-    for (int64_t t = 0; t < in_block; ++t) {
-      const float* k = as_float(k_block + t * token_stride, kv_row, d);
-      for (int64_t r = 0; r < rows; ++r) {
-        scores[r * block_size + t] = key0 + t <= last_key[r] ? dot(q + r * d, k, d) * scale
-                                                              : kNegInf;
-      }
+    if (rows >= kTransposeRows) {
+      block_scores_transposed(q, rows, k_block, token_stride, in_block, d, kv_row, keys_t,
+                              scores, stride);
+    } else {
+      block_scores_by_dots(q, rows, k_block, token_stride, in_block, d, kv_row, scores, stride);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::min(in_block, last_key[r] - key0 + 1);
-      if (visible <= 0) continue;
-      float* s = scores + r * block_size;
-      const float block_max = *std::max_element(s, s + visible);
+      float* s = scores + r * stride;
+      if (visible <= 0) {  // the whole block is in this row's future
+        std::fill(s, s + stride, 0.f);
+        continue;
+      }
+      float block_max = kNegInf;
+      for (int64_t t = 0; t < visible; ++t) {
+        s[t] *= scale;
+        block_max = std::max(block_max, s[t]);
+      }
+      std::fill(s + visible, s + stride, kNegInf);
       const float new_max = std::max(row_max[r], block_max);
       if (row_max[r] != kNegInf && row_max[r] != new_max) {
         const float correction = std::exp(row_max[r] - new_max);
@@ -163,15 +212,40 @@ void attend_item(
         scale_in_place(acc + r * d, correction, d);
       }
       row_max[r] = new_max;
-      for (int64_t t = 0; t < visible; ++t) {
-        s[t] = std::exp(s[t] - new_max);
-        row_sum[r] += s[t];
+      const Vec shift(new_max);
+      Vec sums(0.f);
+      for (int64_t t = 0; t < stride; t += Vec::size()) {
+        const Vec p = (Vec::loadu(s + t) - shift).exp();
+        p.store(s + t);
+        sums = sums + p;
       }
+      row_sum[r] += at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, sums);
     }
-    for (int64_t t = 0; t < in_block; ++t) {
-      const float* v = as_float(v_block + t * token_stride, kv_row, d);
-      for (int64_t r = 0; r < rows; ++r) {
-        if (key0 + t <= last_key[r]) axpy(scores[r * block_size + t], v, acc + r * d, d);
+    // acc[r] += sum_t p[r, t] V[t]: one vector of a row's accumulator stays in a register
+    // across the block's keys. fp32 V rows are read in place, others widened once.
+    const float* values = reinterpret_cast<const float*>(v_block);
+    int64_t value_stride = token_stride;
+    if constexpr (!std::is_same_v<T, float>) {
+      for (int64_t t = 0; t < in_block; ++t) {
+        at::vec::convert(v_block + t * token_stride, values_f + t * d, d);
+      }
+      values = values_f;
+      value_stride = d;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = std::min(in_block, last_key[r] - key0 + 1);
+      const float* p = scores + r * stride;
+      float* a = acc + r * d;
+      int64_t i = 0;
+      for (; i + Vec::size() <= d; i += Vec::size()) {
+        Vec sum = Vec::loadu(a + i);
+        for (int64_t t = 0; t < visible; ++t) {
+          sum = at::vec::fmadd(Vec(p[t]), Vec::loadu(values + t * value_stride + i), sum);
+        }
+        sum.store(a + i);
+      }
+      for (; i < d; ++i) {
+        for (int64_t t = 0; t < visible; ++t) a[i] += p[t] * values[t * value_stride + i];
       }
     }
   }
