@@ -88,7 +88,11 @@ class RollingEngine:
             self._fail(out.requests, 424, f"model step failed: {error!r}")
             return
         timer.mark("forward")
-        sampled, failed = self.sampler.sample(logits, out.sampling)
+        try:
+            sampled, failed = self.sampler.sample(logits, out.sampling)
+        except Exception as error:  # a sampler bug must not end the engine; rank 0 only
+            log.exception("sampling failed; failing its %d requests", len(out.sampling))
+            sampled, failed = {}, [(request, error) for request in out.sampling]
         timer.mark("sample")
         for request, error in failed:
             self._fail([request], 424, f"sampling failed: {error}")

@@ -145,3 +145,22 @@ def test_step_profile_window_resets_after_a_summary():
     assert summary.startswith("2 steps") and "mean batch 3.0" in summary
     assert profile.take_summary(every_s=0) is None  # nothing since
     assert profile.to_dict()["step_sequences"] == 6
+
+
+def test_a_failing_sampler_fails_the_step_requests_and_the_engine_goes_on(sockets):
+    router, connect = sockets
+    engine = make_engine(router)
+    dealer = connect()
+    submit(dealer, "a", [1, 2], 3)
+    wait_for_messages(router)
+    real_sample = engine.sampler.sample
+    engine.sampler.sample = lambda *args: 1 / 0
+    run_until_idle(engine)
+    (error,) = receive_all(dealer)
+    assert error["kind"] == protocol.KIND_ERROR and error["id"] == "a"
+    engine.sampler.sample = real_sample
+    submit(dealer, "b", [1, 2], 3)
+    wait_for_messages(router)
+    run_until_idle(engine)
+    assert [e["kind"] for e in receive_all(dealer)][-1] == protocol.KIND_FINAL
+    engine.scheduler.check_invariants()
