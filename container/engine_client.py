@@ -1,8 +1,9 @@
 """The front end's side of the engine socket, one per gunicorn worker.
 
 One I/O thread owns the ZeroMQ DEALER socket (zmq sockets are not thread-safe): request threads
-hand it outgoing frames through a queue and wake it through a pipe; it routes engine events to
-per-request queues keyed by request id. While requests wait it also watches the engine's state
+hand it outgoing frames through a queue and wake it through a pipe; it routes engine events
+(a frame may carry a step's events for several requests) to per-request queues keyed by
+request id. While requests wait it also watches the engine's state
 file, so a dead engine answers every waiting request instead of leaving it hanging.
 """
 
@@ -98,11 +99,16 @@ class EngineClient:
                 frame = socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            event = protocol.unpack(frame)
-            with self._lock:
-                waiter = self._waiters.get(event.get("id"))
-            if waiter is not None:
-                waiter.put(event)
+            try:
+                events = protocol.events_of(protocol.unpack(frame))
+                with self._lock:
+                    routes = [(self._waiters.get(event.get("id")), event) for event in events]
+            except (ValueError, TypeError) as error:  # msgpack's errors are ValueErrors
+                log.error("dropping malformed engine frame: %s", error)
+                continue
+            for waiter, event in routes:
+                if waiter is not None:
+                    waiter.put(event)
 
     def _fail_all_if_engine_failed(self) -> None:
         with self._lock:

@@ -160,7 +160,7 @@ class Predictor:
     def _generate_all(self, prompts, params, request_id: str) -> list[_Generation]:
         engine_ids = [f"{request_id}/{index}" for index in range(len(prompts))]
         queues = [
-            self.client.submit(protocol.generate_message(i, p, params))
+            self.client.submit(protocol.generate_message(i, p, params, stream=False))
             for i, p in zip(engine_ids, prompts)
         ]
         deadline = self._deadline()

@@ -6,7 +6,7 @@
       logits = execute(out.chunks)          # broadcast to every rank, all run the model
       sampled = sampler.sample(logits)      # rank 0 only
       events = scheduler.update(out, sampled)
-      send(events)
+      send(events)                          # one frame per web worker
 
 A request that cannot be sampled fails alone. A failed model step fails the requests in it and
 the loop goes on, except with several ranks: then the ranks may be out of step, so the error
@@ -54,6 +54,7 @@ class RollingEngine:
         self.max_waiting = max_waiting
         self.world_size = world_size
         self.stats = EngineStats()
+        self._unstreamed: set[Request] = set()  # answered with one final event
         blocks = scheduler.blocks
         self.capacity_tokens = min(blocks.num_blocks * blocks.block_size, scheduler.max_model_len)
 
@@ -99,10 +100,14 @@ class RollingEngine:
         before = len(self.scheduler.running)
         produced = self.scheduler.update(out, sampled, self.eos_token_ids)
         self._count_step(out, before, produced)
-        events = [self._event(r, token, lp, len(out.requests)) for r, token, lp in produced]
+        events: dict[bytes, list[dict]] = {}  # web worker -> its events of this step
+        for request, token, log_prob in produced:
+            event = self._event(request, token, log_prob, len(out.requests))
+            if event is not None:
+                events.setdefault(request.reply_to, []).append(event)
         timer.mark("update")
-        for request, event in events:
-            self._send(request.reply_to, event)
+        for identity, group in events.items():
+            self._send(identity, group[0] if len(group) == 1 else protocol.batch_event(group))
         timer.mark("send")
         self._profile(timer, len(out.requests))
 
@@ -113,7 +118,8 @@ class RollingEngine:
             log.info("%s", summary)
 
     def _event(self, request: Request, token: int, log_prob: float, batch_size: int):
-        """(request, its event for this step's token), counted in the stats."""
+        """The event for this step's token, counted in the stats; None for a request that is
+        not streamed and not finished (its final event carries every token)."""
         now = time.monotonic()
         if request.first_token_time is None:
             request.first_token_time = now
@@ -123,19 +129,27 @@ class RollingEngine:
         request.last_token_time = now
         self.stats.tokens_generated += 1
         if request.finish_reason is None:
-            event = {
+            if request in self._unstreamed:
+                return None
+            return {
                 "kind": protocol.KIND_TOKEN,
                 "id": request.request_id,
                 "token_ids": [token],
                 "log_probs": [log_prob],
             }
+        self.stats.finished[request.finish_reason] += 1
+        if request in self._unstreamed:
+            token_ids, log_probs = request.output_ids, request.output_log_probs
         else:
-            self.stats.finished[request.finish_reason] += 1
-            self.sampler.forget(request.request_id)
-            event = protocol.final_event(
-                request.request_id, [token], [log_prob], request.finish_reason, batch_size
-            )
-        return request, event
+            token_ids, log_probs = [token], [log_prob]
+        self._forget(request)
+        return protocol.final_event(
+            request.request_id, token_ids, log_probs, request.finish_reason, batch_size
+        )
+
+    def _forget(self, request: Request) -> None:
+        self.sampler.forget(request.request_id)
+        self._unstreamed.discard(request)
 
     def _count_step(self, out: SchedulerOutput, running_before: int, produced) -> None:
         self.stats.num_steps += 1
@@ -149,7 +163,7 @@ class RollingEngine:
         self.scheduler.fail(requests)
         for request in requests:
             self.stats.finished["error"] += 1
-            self.sampler.forget(request.request_id)
+            self._forget(request)
             self._send(request.reply_to, protocol.error_event(request.request_id, status, message))
 
     def _handle(self, identity: bytes, message: dict) -> None:
@@ -157,9 +171,10 @@ class RollingEngine:
         if op == protocol.OP_GENERATE:
             self._admit(identity, request_id, message)
         elif op == protocol.OP_ABORT:
-            if self.scheduler.abort(request_id) is not None:
+            request = self.scheduler.abort(request_id)
+            if request is not None:
                 self.stats.finished["abort"] += 1
-                self.sampler.forget(request_id)
+                self._forget(request)
         elif op == protocol.OP_STATS:
             self._send(identity, protocol.stats_event(request_id, self.snapshot()))
         elif op == protocol.OP_COUNT_RESPONSE:
@@ -180,6 +195,8 @@ class RollingEngine:
             self._send(identity, protocol.queue_full_event(request_id, self.max_waiting))
             return
         request = Request(request_id, prompt_ids, params, time.monotonic(), reply_to=identity)
+        if not message.get("stream", True):
+            self._unstreamed.add(request)
         self.scheduler.add(request)
 
     def snapshot(self) -> dict:

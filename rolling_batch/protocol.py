@@ -3,7 +3,8 @@
 Every engine (the dynamic-batching HF engine and the rolling-batch MPI engine) speaks this: token
 ids in, token ids out. Frames are msgpack maps, never pickle. The front end talks through a
 DEALER socket, the engine answers through a ROUTER, so replies find the gunicorn worker that
-asked. Torch-free.
+asked. The rolling engine sends each web worker one frame per step: its events of that step in
+a KIND_BATCH frame (a single event goes alone). Torch-free.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ KIND_TOKEN = "token"  # one more token of a request still running (rolling engin
 KIND_FINAL = "final"
 KIND_ERROR = "error"
 KIND_STATS = "stats"
+KIND_BATCH = "batch"  # {"kind": "batch", "events": [event, ...]}: one step's events for a worker
 
 # engine states, written to STATE_FILE
 STATE_LOADING = "loading"
@@ -67,12 +69,17 @@ class GenerationParams:
         return asdict(self)
 
 
-def generate_message(request_id: str, prompt_ids: list[int], params: GenerationParams) -> dict:
+def generate_message(
+    request_id: str, prompt_ids: list[int], params: GenerationParams, stream: bool = True
+) -> dict:
+    """`stream=False`: no token events, the final event carries every token (the rolling
+    engine; the Python engine only ever sends final events)."""
     return {
         "op": OP_GENERATE,
         "id": request_id,
         "prompt_ids": prompt_ids,
         "params": params.to_dict(),
+        "stream": stream,
     }
 
 
@@ -105,6 +112,20 @@ def queue_full_event(request_id: str, limit: int) -> dict:
 
 def stats_event(request_id: str, stats: dict) -> dict:
     return {"kind": KIND_STATS, "id": request_id, "stats": stats}
+
+
+def batch_event(events: list[dict]) -> dict:
+    return {"kind": KIND_BATCH, "events": events}
+
+
+def events_of(message: dict) -> list[dict]:
+    """The events a frame from an engine carries: a batch's, or the frame itself."""
+    if message.get("kind") == KIND_BATCH:
+        events = message.get("events")
+        if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+            raise ValueError("IPC batch frame without a list of events")
+        return events
+    return [message]
 
 
 def pack(message: dict) -> bytes:

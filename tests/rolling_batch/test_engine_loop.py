@@ -1,6 +1,7 @@
 """The rolling engine's loop with a fake model over real ZeroMQ sockets: every request gets its
-tokens and one final event, each step's time is split into phases for /metrics and the log,
-and a stats request is answered between steps."""
+tokens and one final event, in one frame per web worker per step (a request that is not
+streamed in its final event alone), each step's time is split into phases for /metrics and
+the log, and a stats request is answered between steps."""
 
 from __future__ import annotations
 
@@ -56,11 +57,15 @@ def make_engine(router) -> RollingEngine:
     return RollingEngine(fake_execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100)
 
 
-def receive_all(dealer: zmq.Socket) -> list[dict]:
-    events = []
+def receive_frames(dealer: zmq.Socket) -> list[list[dict]]:
+    frames = []
     while dealer.poll(0):
-        events.append(protocol.unpack(dealer.recv()))
-    return events
+        frames.append(protocol.events_of(protocol.unpack(dealer.recv())))
+    return frames
+
+
+def receive_all(dealer: zmq.Socket) -> list[dict]:
+    return [event for frame in receive_frames(dealer) for event in frame]
 
 
 def run_until_idle(engine: RollingEngine) -> None:
@@ -69,9 +74,10 @@ def run_until_idle(engine: RollingEngine) -> None:
         engine.step()
 
 
-def submit(dealer, request_id: str, prompt: list[int], max_new: int) -> None:
+def submit(dealer, request_id: str, prompt: list[int], max_new: int, stream=True) -> None:
     params = GenerationParams(max_new_tokens=max_new, ignore_eos=True)
-    dealer.send(protocol.pack(protocol.generate_message(request_id, prompt, params)))
+    message = protocol.generate_message(request_id, prompt, params, stream=stream)
+    dealer.send(protocol.pack(message))
 
 
 def wait_for_messages(router: zmq.Socket) -> None:
@@ -89,14 +95,34 @@ def test_every_request_gets_its_tokens_and_one_final_event(sockets):
     run_until_idle(engine)
     tokens: dict[str, list[int]] = {}
     finals: dict[str, str] = {}
-    for dealer in (first, second):
-        for event in receive_all(dealer):
+    frames = {dealer: receive_frames(dealer) for dealer in (first, second)}
+    for frame in frames[first] + frames[second]:
+        for event in frame:
             tokens.setdefault(event["id"], []).extend(event["token_ids"])
             if event["kind"] == protocol.KIND_FINAL:
                 finals[event["id"]] = event["finish_reason"]
     assert tokens == {"a": [7, 8, 9, 10], "b": [11, 12, 13], "c": [23, 24, 25, 26, 27]}
     assert finals == {"a": "length", "b": "length", "c": "length"}
+    # One frame per step for each worker: 4 steps for a and b together, 5 for c.
+    assert [len(frame) for frame in frames[first]] == [2, 2, 2, 1]
+    assert [len(frame) for frame in frames[second]] == [1] * 5
     engine.scheduler.check_invariants()
+
+
+def test_a_request_that_is_not_streamed_gets_one_final_event_with_every_token(sockets):
+    router, connect = sockets
+    engine = make_engine(router)
+    dealer = connect()
+    submit(dealer, "quiet", [5, 6], 4, stream=False)
+    submit(dealer, "loud", [30], 2)
+    wait_for_messages(router)
+    run_until_idle(engine)
+    events = receive_all(dealer)
+    quiet = [e for e in events if e["id"] == "quiet"]
+    assert len(quiet) == 1 and quiet[0]["kind"] == protocol.KIND_FINAL
+    assert quiet[0]["token_ids"] == [7, 8, 9, 10] and len(quiet[0]["log_probs"]) == 4
+    assert [e["kind"] for e in events if e["id"] == "loud"] == ["token", "final"]
+    assert not engine._unstreamed
 
 
 def test_steps_are_profiled_by_phase(sockets):
