@@ -8,7 +8,6 @@ own engine socket and I/O thread. Every response, errors included, is JSON and c
 from __future__ import annotations
 
 import logging
-import queue
 import uuid
 
 from flask import Flask, Response, g, jsonify, request
@@ -26,7 +25,9 @@ from .predictor import PredictionError, Predictor
 
 log = logging.getLogger("lmserve.http")
 
-_STATS_TIMEOUT_S = 5.0
+# A scrape waits this long for a fresh answer: the rolling engine answers between steps (tens
+# of ms), engine=Python between batches (seconds), when the engine client's copy serves.
+_STATS_TIMEOUT_S = 0.5
 _INFERENCE_ROUTES = ("invocations", "predictions", "chat_completions")
 
 
@@ -160,16 +161,16 @@ def create_app(runtime_path: str) -> Flask:
         return description
 
     def _engine_stats(state: dict) -> dict | None:
+        """The engine's stats, fresh or (while a long batch or step keeps it from answering)
+        the newest this worker has, at most predict_timeout old: an engine silent for longer
+        than a request may take counts as down."""
         if state["state"] != protocol.STATE_READY:
             return None
-        stats_id = f"stats-{uuid.uuid4().hex}"
-        events = client.submit({"op": protocol.OP_STATS, "id": stats_id})
-        try:
-            return events.get(timeout=_STATS_TIMEOUT_S)["stats"]
-        except queue.Empty:  # the engine answers between batches; a long batch delays it
+        answer = client.stats(_STATS_TIMEOUT_S)
+        if answer is None or answer[1] > runtime.config.predict_timeout:
             return None
-        finally:
-            client.finish(stats_id, abort=False)
+        stats, age = answer
+        return {**stats, "stats_age_seconds": round(age, 3)}
 
     return app
 

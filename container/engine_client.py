@@ -3,8 +3,13 @@
 One I/O thread owns the ZeroMQ DEALER socket (zmq sockets are not thread-safe): request threads
 hand it outgoing frames through a queue and wake it through a pipe; it routes engine events
 (a frame may carry a step's events for several requests) to per-request queues keyed by
-request id. While requests wait it also watches the engine's state
-file, so a dead engine answers every waiting request instead of leaving it hanging.
+request id. It also watches the engine's state file, so a dead engine answers every waiting
+request instead of leaving it hanging.
+
+Stats (for /metrics and /models) come from the engine between its steps or, for engine=Python,
+between its batches, which take seconds under load. So the thread keeps the newest stats any
+answer brought and asks for fresh ones every few seconds: a scrape the engine cannot answer at
+once gets those, with their age, instead of waiting out the batch.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 
 import zmq
 
@@ -23,6 +29,9 @@ from lmserve.rolling_batch.runtime import Runtime, read_state
 log = logging.getLogger(__name__)
 
 _STATE_CHECK_S = 0.5
+_STATS_REFRESH_S = 5.0
+_REFRESH_ID = "stats-refresh"  # answers to the I/O thread's own requests, routed to no one
+_REFRESH_RETRY_S = 60.0  # a refresh unanswered this long was lost (say the engine restarted)
 
 
 class EngineClient:
@@ -31,6 +40,9 @@ class EngineClient:
         self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._waiters: dict[str, queue.SimpleQueue[dict]] = {}
         self._lock = threading.Lock()
+        self._latest_stats: tuple[dict, float] | None = None  # (stats, monotonic time received)
+        self._refresh_sent_at: float | None = None  # a refresh request awaits its answer
+        self._was_ready = False
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._thread = threading.Thread(target=self._run, name="engine-io", daemon=True)
@@ -53,6 +65,19 @@ class EngineClient:
             self._waiters.pop(request_id, None)
         if abort:
             self._send({"op": protocol.OP_ABORT, "id": request_id})
+
+    def stats(self, timeout: float) -> tuple[dict, float] | None:
+        """(the engine's stats, their age in seconds): a fresh answer when the engine gives
+        one within `timeout`, else the newest this worker has; None if it has none."""
+        stats_id = f"stats-{uuid.uuid4().hex}"
+        events = self.submit({"op": protocol.OP_STATS, "id": stats_id})
+        try:
+            return events.get(timeout=timeout)["stats"], 0.0
+        except queue.Empty:
+            latest = self._latest_stats
+            return None if latest is None else (latest[0], time.monotonic() - latest[1])
+        finally:
+            self.finish(stats_id, abort=False)
 
     def notify(self, message: dict) -> None:
         """Sends a message that gets no reply."""
@@ -79,7 +104,27 @@ class EngineClient:
             now = time.monotonic()
             if now >= next_state_check:
                 next_state_check = now + _STATE_CHECK_S
-                self._fail_all_if_engine_failed()
+                ready = self.state()
+                self._fail_all_if_engine_failed(ready)
+                self._refresh_stats(socket, now, ready["state"] == protocol.STATE_READY)
+
+    def _refresh_stats(self, socket: zmq.Socket, now: float, ready: bool) -> None:
+        """Asks for stats when this worker's copy is old, unless a request is still unanswered
+        (a long batch); the answer lands in _latest_stats. The first request goes out before
+        the engine is ready: ZeroMQ holds it until the engine binds, and the engine answers it
+        before any generation can keep it busy."""
+        if not ready:
+            self._latest_stats = None  # the engine that gave them is loading, failed or gone
+            if self._was_ready:  # and so are requests sent to it
+                self._refresh_sent_at = None
+        self._was_ready = ready
+        if self._refresh_sent_at is not None and now - self._refresh_sent_at < _REFRESH_RETRY_S:
+            return
+        latest = self._latest_stats
+        if latest is not None and now - latest[1] < _STATS_REFRESH_S:
+            return
+        self._refresh_sent_at = now
+        socket.send(protocol.pack({"op": protocol.OP_STATS, "id": _REFRESH_ID}))
 
     def _flush_outbox(self, socket: zmq.Socket) -> None:
         try:
@@ -106,15 +151,19 @@ class EngineClient:
             except (ValueError, TypeError) as error:  # msgpack's errors are ValueErrors
                 log.error("dropping malformed engine frame: %s", error)
                 continue
+            self._keep_stats(events)
             for waiter, event in routes:
                 if waiter is not None:
                     waiter.put(event)
 
-    def _fail_all_if_engine_failed(self) -> None:
-        with self._lock:
-            if not self._waiters:
-                return
-        state = self.state()
+    def _keep_stats(self, events: list[dict]) -> None:
+        for event in events:
+            if event.get("kind") == protocol.KIND_STATS and isinstance(event.get("stats"), dict):
+                self._latest_stats = (event["stats"], time.monotonic())
+                if event.get("id") == _REFRESH_ID:
+                    self._refresh_sent_at = None
+
+    def _fail_all_if_engine_failed(self, state: dict) -> None:
         if state["state"] != protocol.STATE_FAILED:
             return
         with self._lock:

@@ -5,15 +5,16 @@ The engine keeps the numbers, so every gunicorn worker reports the same ones."""
 from __future__ import annotations
 
 _PREFIX = "lmserve_"
+_UP_HELP = "1 when the engine is serving and reported its stats (see lmserve_stats_age_seconds)"
 
 
 def render(stats: dict | None, model_name: str) -> str:
     lines: list[str] = []
     label = f'model="{model_name}"'
     if not stats:
-        lines += _metric("up", "gauge", "1 when the engine answered", [(label, 0)])
+        lines += _metric("up", "gauge", _UP_HELP, [(label, 0)])
         return "\n".join(lines) + "\n"
-    lines += _metric("up", "gauge", "1 when the engine answered", [(label, 1)])
+    lines += _metric("up", "gauge", _UP_HELP, [(label, 1)])
     responses = stats.get("http_responses", {})
     lines += _metric(
         "requests_total",
@@ -34,6 +35,7 @@ def render(stats: dict | None, model_name: str) -> str:
         "kv_blocks_used": "KV cache blocks in use",
         "kv_blocks_free": "KV cache blocks free",
         "num_queued": "requests waiting for a dynamic batch",
+        "stats_age_seconds": "seconds since the engine reported these numbers (0: this scrape)",
     }
     for key, help_text in gauges.items():
         if key in stats:

@@ -1,27 +1,48 @@
 """The front end's engine client over a real socket: a frame carrying a step's events for
-several requests reaches each request's queue; a malformed frame is dropped, not fatal."""
+several requests reaches each request's queue; a malformed frame is dropped, not fatal; stats
+come fresh when the engine answers in time, else the newest the client has (its own periodic
+refresh keeps some), with their age."""
 
 from __future__ import annotations
 
+import threading
+import time
+
+import pytest
 import zmq
 
 from lmserve.container.engine_client import EngineClient
 from lmserve.properties.config import load_config
 from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.runtime import Runtime, write_state
 
 
-def test_batched_events_reach_each_request_and_bad_frames_are_dropped(tmp_path):
+@pytest.fixture
+def runtime(tmp_path):
     config = load_config(None, environ={}).config
-    runtime = Runtime(config, "m", str(tmp_path), "test", str(tmp_path))
-    engine = zmq.Context.instance().socket(zmq.ROUTER)
-    engine.bind(runtime.engine_address)
-    try:
+    return Runtime(config, "m", str(tmp_path), "test", str(tmp_path))
+
+
+@pytest.fixture
+def engine(runtime):
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    socket.bind(runtime.engine_address)
+    yield socket
+    socket.close(linger=0)
+
+
+def receive(engine) -> tuple[bytes, dict]:
+    assert engine.poll(5000), "nothing reached the engine"
+    identity, frame = engine.recv_multipart()
+    return identity, protocol.unpack(frame)
+
+
+def test_batched_events_reach_each_request_and_bad_frames_are_dropped(runtime, engine):
+    if True:
         client = EngineClient(runtime)
         first = client.submit({"op": protocol.OP_STATS, "id": "a"})
         second = client.submit({"op": protocol.OP_STATS, "id": "b"})
-        assert engine.poll(5000)
-        identity, _ = engine.recv_multipart()
+        identity, _ = receive(engine)
         token = {"kind": protocol.KIND_TOKEN, "token_ids": [1], "log_probs": [-0.5]}
         engine.send_multipart([identity, b"\xc1 not msgpack"])
         engine.send_multipart([identity, protocol.pack({"kind": "batch", "events": 3})])
@@ -35,5 +56,32 @@ def test_batched_events_reach_each_request_and_bad_frames_are_dropped(tmp_path):
         assert first.get(timeout=5)["kind"] == protocol.KIND_FINAL
         assert second.get(timeout=5)["id"] == "b"
         assert first.empty() and second.empty()
-    finally:
-        engine.close(linger=0)
+
+
+def test_stats_are_fresh_when_the_engine_answers_else_the_newest_known(runtime, engine):
+    write_state(runtime, protocol.STATE_READY)
+    client = EngineClient(runtime)
+    identity, refresh = receive(engine)  # the client's own refresh, sent at once when ready
+    assert refresh["op"] == protocol.OP_STATS
+    engine.send_multipart([identity, protocol.pack(protocol.stats_event(refresh["id"], {"n": 1}))])
+    deadline = time.monotonic() + 5
+    while client._latest_stats is None:  # the I/O thread routes the answer
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # The engine is "busy" (answers nothing): the refreshed copy, with its age.
+    stats, age = client.stats(timeout=0.2)
+    assert stats == {"n": 1} and 0.2 <= age < 5
+    receive(engine)  # that request, never answered
+    answering = threading.Thread(target=answer_next, args=(engine, {"n": 2}))
+    answering.start()
+    assert client.stats(timeout=5) == ({"n": 2}, 0.0)
+    answering.join()
+
+
+def answer_next(engine, stats: dict) -> None:
+    identity, message = receive(engine)
+    engine.send_multipart([identity, protocol.pack(protocol.stats_event(message["id"], stats))])
+
+
+def test_no_stats_before_the_engine_ever_answered(runtime, engine):
+    assert EngineClient(runtime).stats(timeout=0.1) is None

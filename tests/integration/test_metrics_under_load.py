@@ -1,0 +1,92 @@
+"""A Prometheus scrape under load: with dozens of streaming requests held open, /metrics and
+/models/<name> answer within a second with lmserve_up 1 and the engine's real numbers, on the
+rolling engine (answers between steps) and on engine=Python, whose engine answers only between
+batches of seconds (the front end then serves the newest stats it has, with their age)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from ..servers import Server, write_properties
+
+NUM_REQUESTS = 40  # below a gunicorn worker's 64 threads: a scrape always finds a free one
+NEW_TOKENS = 500
+
+
+def values(text: str) -> dict[str, float]:
+    found = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            found[name.split("{")[0]] = float(value)
+    return found
+
+
+def stream_one(server: Server, index: int, started: threading.Event) -> int:
+    body = {
+        "inputs": f"Request {index}: once upon a time",
+        "parameters": {"max_new_tokens": NEW_TOKENS, "ignore_eos_token": True},
+        "stream": True,
+    }
+    with requests.post(f"{server.url}/invocations", json=body, stream=True, timeout=300) as r:
+        assert r.status_code == 200, r.text
+        lines = 0
+        for line in r.iter_lines():
+            if line:
+                lines += 1
+                started.set()
+        return lines
+
+
+@pytest.mark.parametrize(
+    "properties",
+    [
+        {"engine": "MPI", "option.max_rolling_batch_size": 8},
+        {"engine": "Python", "batch_size": 8, "max_batch_delay": 100},
+    ],
+    ids=["rolling", "python"],
+)
+def test_metrics_answer_within_a_second_while_requests_stream(tmp_path, tiny_model_dir, properties):
+    folder = write_properties(
+        tmp_path / "model",
+        {**properties, "option.model_id": tiny_model_dir, "option.max_model_len": 1024},
+    )
+    server = Server(folder)
+    server.wait_healthy()
+    name = tiny_model_dir.name
+    try:
+        started = threading.Event()
+        with ThreadPoolExecutor(NUM_REQUESTS) as pool:
+            streams = [pool.submit(stream_one, server, i, started) for i in range(NUM_REQUESTS)]
+            assert started.wait(60), "no stream started"
+            scrapes = []
+            while len(scrapes) < 6 and sum(not s.done() for s in streams) >= 8:
+                begun = time.monotonic()
+                metrics = requests.get(f"{server.url}/metrics", timeout=10)
+                between = time.monotonic()
+                model = requests.get(f"{server.url}/models/{name}", timeout=10)
+                times = (between - begun, time.monotonic() - between)
+                scrapes.append((times, values(metrics.text), model.json()))
+                time.sleep(0.3)
+            lines = [s.result() for s in streams]
+        assert lines == [NEW_TOKENS] * NUM_REQUESTS  # every stream ran to its end
+    finally:
+        assert server.stop() == 0
+    assert len(scrapes) >= 3, "the requests ended before the scrapes could overlap them"
+    for times, found, model in scrapes:
+        # The front end waits 0.5 s for the engine; the rest is margin for a loaded machine.
+        assert max(times) < 1.5, times
+        assert found["lmserve_up"] == 1, found
+        assert model["engine"]["stats"] is not None
+        assert found["lmserve_stats_age_seconds"] < 60
+    busy = [found for _, found, _ in scrapes]
+    if properties["engine"] == "MPI":
+        assert any(found["lmserve_num_running"] > 0 for found in busy)
+        assert any(found["lmserve_step_seconds_count"] > 0 for found in busy)
+    else:
+        assert all("lmserve_num_queued" in found for found in busy)
