@@ -100,11 +100,7 @@ class RollingEngine:
         before = len(self.scheduler.running)
         produced = self.scheduler.update(out, sampled, self.eos_token_ids)
         self._count_step(out, before, produced)
-        events: dict[bytes, list[dict]] = {}  # web worker -> its events of this step
-        for request, token, log_prob in produced:
-            event = self._event(request, token, log_prob, len(out.requests))
-            if event is not None:
-                events.setdefault(request.reply_to, []).append(event)
+        events = self._events_by_worker(produced, len(out.requests))
         timer.mark("update")
         for identity, group in events.items():
             self._send(identity, group[0] if len(group) == 1 else protocol.batch_event(group))
@@ -116,6 +112,14 @@ class RollingEngine:
         summary = self.stats.steps.take_summary(_PROFILE_LOG_S)
         if summary is not None:
             log.info("%s", summary)
+
+    def _events_by_worker(self, produced, batch_size: int) -> dict[bytes, list[dict]]:
+        events: dict[bytes, list[dict]] = {}
+        for request, token, log_prob in produced:
+            event = self._event(request, token, log_prob, batch_size)
+            if event is not None:
+                events.setdefault(request.reply_to, []).append(event)
+        return events
 
     def _event(self, request: Request, token: int, log_prob: float, batch_size: int):
         """The event for this step's token, counted in the stats; None for a request that is
