@@ -80,7 +80,19 @@ def convert(gguf_path: Path, destination: Path) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    os.replace(partial, destination)  # a crash mid-save never leaves a half directory in use
+    publish(partial, destination)
+
+
+def publish(partial: Path, destination: Path) -> None:
+    """Moves a finished conversion into place in one rename, so a crash mid-save never leaves
+    a half directory in use. Two processes may convert the same file at once (the ranks of a
+    job, parallel test runs): the first rename wins and the later one drops its copy."""
+    try:
+        os.replace(partial, destination)
+    except OSError:
+        if not (destination / "config.json").is_file():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def main() -> None:
