@@ -14,7 +14,6 @@ import random
 
 import torch
 
-from .protocol import GenerationParams
 from .request import Request
 
 # Top-p looks for the nucleus among the most likely tokens first (torch.topk), and sorts the
@@ -221,14 +220,3 @@ def _nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         if len(pending) == 0:
             break
     return floor
-
-
-def _penalize_repetition(row: torch.Tensor, token_ids: list[int], penalty: float) -> None:
-    """One row, in place (HF's RepetitionPenaltyLogitsProcessor)."""
-    request = Request("row", list(token_ids), GenerationParams(repetition_penalty=penalty), 0.0)
-    row.copy_(_penalize_rows(row[None], [request], [_RowState(request, row.device)])[0])
-
-
-def _warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """One row: temperature, then top-k, then top-p (nucleus), filtered entries to -inf."""
-    return _filter_rows(row[None], [temperature], [top_k], [top_p])[0][0]

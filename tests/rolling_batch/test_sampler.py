@@ -14,13 +14,18 @@ from transformers.generation.logits_process import (
 
 from lmserve.rolling_batch.protocol import GenerationParams
 from lmserve.rolling_batch.request import Request
-from lmserve.rolling_batch.sampler import (
-    Sampler,
-    _filter_rows,
-    _penalize_repetition,
-    _penalize_rows,
-    _warp,
-)
+from lmserve.rolling_batch.sampler import Sampler, _filter_rows, _penalize_rows, _RowState
+
+
+def _penalize_repetition(row: torch.Tensor, token_ids: list[int], penalty: float) -> None:
+    """One row, in place, through the batched penalty."""
+    request = Request("row", list(token_ids), GenerationParams(repetition_penalty=penalty), 0.0)
+    row.copy_(_penalize_rows(row[None], [request], [_RowState(request, row.device)])[0])
+
+
+def _warp(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """One row through the batched temperature, top-k and top-p filters."""
+    return _filter_rows(row[None], [temperature], [top_k], [top_p])[0][0]
 
 
 @pytest.mark.parametrize(
