@@ -1,0 +1,199 @@
+"""Trial: does `torch.compile` (inductor's CPU backend) of the whole forward beat the eager
+runtime once the C++ kernels and the oneDNN-packed linears are in?
+
+    .venv/bin/python -m lmserve.benchmarks.compile_trial [--batches 1 8 32] [--dtype fp32]
+
+Dynamo cannot see into a pybind11 function or an opaque oneDNN weight, so for the trial each
+is registered as a torch custom op (`torch.library.custom_op`) with a fake implementation for
+shape propagation, and the runtime's ops module is swapped for one that calls them: paged
+attention, the K/V store, rotary, the two RMSNorms, SiLU-and-mul, and the packed linear (its
+weight passed by handle). What is left for inductor are the views, splits, the embedding and
+the step's own glue. The forward is compiled once with dynamic shapes (the token count, the
+batch and the context lengths vary every step) and timed against eager on the same decode
+steps as `op_count`: B sequences, one decode token each after --prompt-len prompt tokens.
+Compile time and the first call's time are reported too (a server pays them at start-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import types
+
+import torch
+
+from lmserve.kernels import cpu_native
+from lmserve.properties.config import default_cache_dir
+from lmserve.rolling_batch.layers import cpu_matmul
+from lmserve.rolling_batch.model_source import local_model_path
+from lmserve.rolling_batch.step import SequenceChunk
+
+from .runtime_throughput import batch_runner, prefill_chunks, run_under_engine_allocator
+
+_PACKED: list[torch.Tensor] = []  # handle -> oneDNN-packed weight
+_OUT_FEATURES: list[int] = []
+
+
+def register_opaque_ops(native: types.ModuleType) -> types.SimpleNamespace:
+    """The native ops as custom ops, in an object with the native module's interface."""
+
+    @torch.library.custom_op("lmserve_trial::paged_attention", mutates_args=())
+    def paged_attention(
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return native.paged_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
+        )
+
+    @paged_attention.register_fake
+    def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+        return query.new_empty(query.shape)
+
+    @torch.library.custom_op("lmserve_trial::store_kv", mutates_args=("k_cache", "v_cache"))
+    def store_kv(
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        native.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    @torch.library.custom_op("lmserve_trial::rotary_", mutates_args=("heads",))
+    def rotary_(
+        heads: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        native.rotary_(heads, positions, cos, sin)
+
+    @torch.library.custom_op("lmserve_trial::rms_norm", mutates_args=())
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return native.rms_norm(x, weight, eps)
+
+    @rms_norm.register_fake
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.custom_op("lmserve_trial::add_rms_norm_", mutates_args=("x", "residual"))
+    def add_rms_norm_(
+        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> None:
+        native.add_rms_norm_(x, residual, weight, eps)
+
+    @torch.library.custom_op("lmserve_trial::silu_and_mul", mutates_args=())
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        return native.silu_and_mul(gate_up)
+
+    @silu_and_mul.register_fake
+    def _(gate_up):
+        return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+    @torch.library.custom_op("lmserve_trial::packed_linear", mutates_args=())
+    def packed_linear(x: torch.Tensor, handle: int, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), _PACKED[handle], bias, "none", [], ""
+        )
+
+    @packed_linear.register_fake
+    def _(x, handle, bias):
+        return x.new_empty(*x.shape[:-1], _OUT_FEATURES[handle])
+
+    shim = types.SimpleNamespace(
+        paged_attention=paged_attention,
+        store_kv=store_kv,
+        rotary_=rotary_,
+        rms_norm=rms_norm,
+        add_rms_norm_=add_rms_norm_,
+        silu_and_mul=silu_and_mul,
+    )
+    shim.packed_linear = packed_linear
+    return shim
+
+
+def route_packed_linears_through(packed_linear) -> None:
+    """Every PackedWeight (built from here on) calls the custom op with its handle."""
+    original_init = cpu_matmul.PackedWeight.__init__
+
+    def init(self, weight):
+        original_init(self, weight)
+        self.handle = len(_PACKED)
+        _PACKED.append(self.packed)
+        _OUT_FEATURES.append(weight.shape[0])
+
+    cpu_matmul.PackedWeight.__init__ = init
+    cpu_matmul.PackedWeight.__call__ = lambda self, x, bias=None: packed_linear(
+        x, self.handle, bias
+    )
+
+
+def decode_chunks(runner, blocks, prompt_len: int) -> list[SequenceChunk]:
+    tokens = runner.execute(prefill_chunks(blocks, prompt_len)).argmax(-1).tolist()
+    return [SequenceChunk((t,), prompt_len, b, True) for t, b in zip(tokens, blocks)]
+
+
+def median_step(runner, chunks, repeats: int) -> float:
+    for _ in range(3):
+        runner.execute(chunks)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        runner.execute(chunks)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    run_under_engine_allocator("lmserve.benchmarks.compile_trial")
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    native = cpu_native.native_ops()
+    if native is None:
+        raise SystemExit("the trial needs the C++ kernels")
+    shim = register_opaque_ops(native)
+    route_packed_linears_through(shim.packed_linear)
+    cpu_native.native_ops = lambda: shim  # every call site looks it up per call
+    model_path = local_model_path(None, default_cache_dir())
+    runner, _, blocks = batch_runner(
+        model_path, args.dtype, max(args.batches), args.prompt_len + 1
+    )
+    eager_forward = runner.model.forward
+    compiled_forward = torch.compile(eager_forward, dynamic=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}; decode"
+        f" step after {args.prompt_len} prompt tokens\n\n| batch | eager ms | compiled ms |"
+        " compiled / eager | first compiled call s |\n|---|---|---|---|---|"
+    )
+    for batch in args.batches:
+        chunks = decode_chunks(runner, blocks[:batch], args.prompt_len)
+        runner.model.forward = eager_forward
+        eager = median_step(runner, chunks, args.repeats)
+        runner.model.forward = compiled_forward
+        started = time.perf_counter()
+        eager_logits = None
+        with torch.inference_mode():
+            runner.execute(chunks)  # compiles (first batch) or checks guards
+        first = time.perf_counter() - started
+        compiled = median_step(runner, chunks, args.repeats)
+        runner.model.forward = eager_forward
+        eager_logits = runner.execute(chunks)
+        runner.model.forward = compiled_forward
+        difference = (runner.execute(chunks) - eager_logits).abs().max().item()
+        print(
+            f"| {batch} | {1e3 * eager:.2f} | {1e3 * compiled:.2f} | {compiled / eager:.2f} |"
+            f" {first:.1f} (max logit difference {difference:.1e}) |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
