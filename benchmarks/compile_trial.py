@@ -179,7 +179,6 @@ def main() -> None:
         eager = median_step(runner, chunks, args.repeats)
         runner.model.forward = compiled_forward
         started = time.perf_counter()
-        eager_logits = None
         with torch.inference_mode():
             runner.execute(chunks)  # compiles (first batch) or checks guards
         first = time.perf_counter() - started
