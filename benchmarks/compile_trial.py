@@ -163,9 +163,7 @@ def main() -> None:
     route_packed_linears_through(shim.packed_linear)
     cpu_native.native_ops = lambda: shim  # every call site looks it up per call
     model_path = local_model_path(None, default_cache_dir())
-    runner, _, blocks = batch_runner(
-        model_path, args.dtype, max(args.batches), args.prompt_len + 1
-    )
+    runner, _, blocks = batch_runner(model_path, args.dtype, max(args.batches), args.prompt_len + 1)
     eager_forward = runner.model.forward
     compiled_forward = torch.compile(eager_forward, dynamic=True)
     print(
