@@ -13,15 +13,13 @@ import uuid
 from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from lmserve.handlers.chat import is_chat, parse_chat
-from lmserve.handlers.request_parsing import BadRequest, load_payload, parse_payload
-from lmserve.handlers.stream_format import StreamFormat
+from lmserve.handlers.interface import HandlerRequest, HandlerResponse, Route
+from lmserve.handlers.llm_handler import LLMHandler
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
 
 from . import metrics
 from .engine_client import EngineClient
-from .predictor import PredictionError, Predictor
 
 log = logging.getLogger("lmserve.http")
 
@@ -34,7 +32,7 @@ _INFERENCE_ROUTES = ("invocations", "predictions", "chat_completions")
 def create_app(runtime_path: str) -> Flask:
     runtime = Runtime.read(runtime_path)
     client = EngineClient(runtime)
-    predictor = Predictor(runtime, client)
+    handler = LLMHandler(runtime, client)
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = runtime.config.max_request_size
     name = runtime.model_name
@@ -77,15 +75,15 @@ def create_app(runtime_path: str) -> Flask:
     @app.post("/invocations")
     def invocations():
         requested = request.args.get("model_name") or request.headers.get("model_name")
-        return _predict(requested or name)
+        return _predict(requested or name, Route.INVOCATIONS)
 
     @app.post("/predictions/<model>")
     def predictions(model: str):
-        return _predict(model)
+        return _predict(model, Route.INVOCATIONS)
 
     @app.post("/v1/chat/completions")
     def chat_completions():
-        return _predict(name, chat_only=True)
+        return _predict(name, Route.CHAT_COMPLETIONS)
 
     @app.get("/models")
     def list_models():
@@ -97,50 +95,21 @@ def create_app(runtime_path: str) -> Flask:
             return _error(404, f"model {model!r} not found; this server serves {name!r}")
         return jsonify(_describe(detailed=True))
 
-    def _predict(model: str, chat_only: bool = False):
+    def _predict(model: str, route: Route):
         if model != name:
             return _error(404, f"model {model!r} not found; this server serves {name!r}")
         state = client.state()
         if state["state"] != protocol.STATE_READY:
             status = 500 if state["state"] == protocol.STATE_FAILED else 503
             return _error(status, f"model {name} is not ready: {state.get('reason', '')}")
-        try:
-            payload = load_payload(request.get_data(cache=False), request.content_type)
-            if chat_only or is_chat(payload):
-                chat = parse_chat(payload)
-                answer = predictor.chat(chat, g.request_id)
-                if chat.stream:
-                    return Response(answer, mimetype="text/event-stream")
-                return jsonify(answer)
-            parsed = parse_payload(payload)
-            stream_kind = _stream_kind(parsed.stream, request.headers.get("Accept", ""))
-            if stream_kind is None:
-                return jsonify(predictor.predict(parsed, g.request_id))
-            config = runtime.config
-            fmt = StreamFormat(
-                stream_kind,
-                config.tgi_compat,
-                predictor.tokenizer,
-                parsed.details,
-                parsed.return_full_text,
-            )
-            return Response(predictor.stream(parsed, g.request_id, fmt), mimetype=fmt.content_type)
-        except BadRequest as error:
-            return _error(error.status, str(error), field=error.field)
-        except PredictionError as error:
-            if error.status == 424:
-                return _error(424, "prediction failure", error=error.message)
-            return _error(error.status, error.message)
-
-    def _stream_kind(asked: bool, accept: str) -> str | None:
-        """jsonlines or sse when option.output_formatter or the request asks to stream; a
-        streaming request that accepts text/event-stream gets SSE."""
-        formatter = runtime.config.output_formatter
-        if formatter in ("jsonlines", "sse"):
-            return formatter
-        if not asked:
-            return None
-        return "sse" if "text/event-stream" in accept else "jsonlines"
+        handler_request = HandlerRequest(
+            body=request.get_data(cache=False),
+            content_type=request.content_type,
+            request_id=g.request_id,
+            route=route,
+            headers=dict(request.headers),
+        )
+        return _http_response(handler.handle(handler_request))
 
     @app.get("/metrics")
     def prometheus_metrics():
@@ -175,6 +144,17 @@ def create_app(runtime_path: str) -> Flask:
     return app
 
 
-def _error(status: int, message: str, **extra) -> tuple[Response, int]:
-    body = {"code": status, "message": message, **extra}
-    return jsonify(body), status
+def _http_response(answer: HandlerResponse) -> Response:
+    if answer.stream is not None:
+        response = Response(answer.stream, status=answer.status, mimetype=answer.content_type)
+    elif answer.body is not None:
+        response = Response(answer.body, status=answer.status, content_type=answer.content_type)
+    else:
+        response = jsonify(answer.json)
+        response.status_code = answer.status
+    response.headers.update(answer.headers)
+    return response
+
+
+def _error(status: int, message: str, **extra) -> Response:
+    return _http_response(HandlerResponse.error(status, message, **extra))

@@ -12,16 +12,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmserve.handlers.chat import ChatRequest, ChatResponder, ChatTemplate
-from lmserve.handlers.detokenizer import IncrementalDetokenizer
-from lmserve.handlers.outputs import Completion, complete, shape_response, to_json
-from lmserve.handlers.request_parsing import BadRequest, TextRequest
-from lmserve.handlers.stream_format import StreamFormat
-from lmserve.handlers.tokenizer import Tokenizer
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
 
-from .engine_client import EngineClient
+from .chat import ChatRequest, ChatResponder, ChatTemplate
+from .detokenizer import IncrementalDetokenizer
+from .interface import EngineConnection
+from .outputs import Completion, complete, shape_response, to_json
+from .request_parsing import BadRequest, TextRequest
+from .stream_format import StreamFormat
+from .tokenizer import Tokenizer
 
 
 @dataclass
@@ -57,7 +57,7 @@ def max_model_len(runtime: Runtime) -> int:
 
 
 class Predictor:
-    def __init__(self, runtime: Runtime, client: EngineClient):
+    def __init__(self, runtime: Runtime, client: EngineConnection):
         self.runtime = runtime
         self.client = client
         self.tokenizer = Tokenizer(runtime.model_path, runtime.config.trust_remote_code)
@@ -139,7 +139,11 @@ class Predictor:
         """A `chat.completion`, or (streaming) the iterator of its chunks."""
         prompt = self.chat_template.render(chat.messages)
         prompt_ids = self.prompt_ids(
-            prompt, chat.params.max_new_tokens, field="messages", add_special_tokens=False
+            prompt,
+            chat.params.max_new_tokens,
+            field="messages",
+            limit_field="max_tokens",
+            add_special_tokens=False,
         )
         responder = ChatResponder(chat.model or self.runtime.model_name, len(prompt_ids))
         if chat.stream:
@@ -193,8 +197,15 @@ class Predictor:
         )
 
     def prompt_ids(
-        self, text: str, max_new_tokens: int, field: str = "inputs", add_special_tokens=True
+        self,
+        text: str,
+        max_new_tokens: int,
+        field: str = "inputs",
+        limit_field: str = "parameters.max_new_tokens",
+        add_special_tokens: bool = True,
     ) -> list[int]:
+        """The prompt's token ids, checked against the context; errors name `field` (the
+        prompt) or `limit_field` (the request's cap on new tokens)."""
         prompt_ids = self.tokenizer.encode(text, add_special_tokens)
         limit = self.max_model_len
         if not prompt_ids:
@@ -205,7 +216,7 @@ class Predictor:
             )
         if len(prompt_ids) + max_new_tokens > limit:
             raise BadRequest(
-                "parameters.max_new_tokens",
+                limit_field,
                 f"{len(prompt_ids)} prompt tokens + {max_new_tokens} new tokens exceed the"
                 f" context of {limit} tokens; at most {limit - len(prompt_ids)} new tokens fit",
             )

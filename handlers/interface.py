@@ -1,0 +1,68 @@
+"""The handler interface: what the HTTP front end hands a handler, and what it gets back.
+
+The front end (container/app.py) owns HTTP: routes, the model name, readiness, request ids,
+metrics. Everything between the request body and the response body is a handler's: the
+built-in LLM handler (handlers/llm_handler.py) parses, tokenizes, talks to the engine and
+shapes DJL/TGI/OpenAI outputs; a user's handler replaces it. A handler never raises for a bad
+request: it answers with an error response (status + a message naming the field).
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+
+class Route(StrEnum):
+    """Which inference route a request came in on."""
+
+    INVOCATIONS = "invocations"  # /invocations and /predictions/<model>: any payload
+    CHAT_COMPLETIONS = "chat_completions"  # /v1/chat/completions: OpenAI chat only
+
+
+@dataclass(frozen=True)
+class HandlerRequest:
+    body: bytes
+    content_type: str | None
+    request_id: str
+    route: Route = Route.INVOCATIONS
+    # The request's headers (DJL hands them to handlers as the input's properties).
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def accept(self) -> str:
+        return next((v for k, v in self.headers.items() if k.lower() == "accept"), "")
+
+
+@dataclass(frozen=True)
+class HandlerResponse:
+    """One of `json` (a JSON value), `body` (bytes as they are) or `stream` (pieces sent as
+    they are produced; an error after the first piece has to be a piece itself)."""
+
+    status: int = 200
+    json: Any = None
+    body: bytes | None = None
+    stream: Iterator[str | bytes] | None = None
+    content_type: str = "application/json"
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def error(cls, status: int, message: str, **extra: Any) -> HandlerResponse:
+        """The project's error body: `{"code", "message", ...}` (`field` names bad input)."""
+        return cls(status=status, json={"code": status, "message": message, **extra})
+
+
+class Handler(Protocol):
+    def handle(self, request: HandlerRequest) -> HandlerResponse: ...
+
+
+class EngineConnection(Protocol):
+    """What a handler that generates needs from the engine client (container/engine_client.py):
+    submit a message and read its events; stop following a request, or abort it."""
+
+    def submit(self, message: dict) -> queue.SimpleQueue[dict]: ...
+
+    def finish(self, request_id: str, abort: bool) -> None: ...

@@ -1,0 +1,247 @@
+"""The built-in LLM handler against a fake engine: payloads in, DJL/TGI/OpenAI answers out, bad
+input refused with the field named, engine failures answered, and every request the engine saw
+finished exactly once. No server, no model weights: SmolLM2's tokenizer and a scripted engine
+that speaks the real protocol (token events while streaming, one final event)."""
+
+from __future__ import annotations
+
+import json
+import queue
+
+import pytest
+
+from lmserve.handlers.interface import HandlerRequest, HandlerResponse, Route
+from lmserve.handlers.llm_handler import LLMHandler
+from lmserve.handlers.tokenizer import Tokenizer
+from lmserve.properties.config import load_config
+from lmserve.rolling_batch import protocol
+from lmserve.rolling_batch.runtime import Runtime
+
+REPLY = " Paris is the capital of France."
+
+
+class FakeEngine:
+    """Answers each generate message with the tokens of REPLY (cut to max_new_tokens), the way
+    the rolling engine does: a token event per token when streamed, then a final event.
+    `behaviour` "silent" never answers, "refuse" sends a 503 error event, "fail_midway" sends
+    one token and then an error."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_id: int, behaviour: str = "answer"):
+        self.reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
+        self.eos_id = eos_id
+        self.behaviour = behaviour
+        self.messages: list[dict] = []
+        self.finished: dict[str, list[bool]] = {}  # request id -> abort flags, in order
+
+    def submit(self, message: dict) -> queue.SimpleQueue[dict]:
+        self.messages.append(message)
+        events: queue.SimpleQueue[dict] = queue.SimpleQueue()
+        request_id = message["id"]
+        if self.behaviour == "silent":
+            return events
+        if self.behaviour == "refuse":
+            events.put(protocol.queue_full_event(request_id, 4))
+            return events
+        limit = message["params"]["max_new_tokens"]
+        tokens = (self.reply_ids + [self.eos_id])[:limit]
+        reason = "eos_token" if tokens[-1] == self.eos_id else "length"
+        log_probs = [-0.5] * len(tokens)
+        if self.behaviour == "fail_midway":
+            events.put(self._token(request_id, tokens[0]))
+            events.put(protocol.error_event(request_id, 500, "rank 1 died"))
+            return events
+        if message["stream"]:
+            for token in tokens[:-1]:
+                events.put(self._token(request_id, token))
+            events.put(protocol.final_event(request_id, tokens[-1:], log_probs[-1:], reason, 1))
+        else:
+            events.put(protocol.final_event(request_id, tokens, log_probs, reason, 1))
+        return events
+
+    def finish(self, request_id: str, abort: bool) -> None:
+        self.finished.setdefault(request_id, []).append(abort)
+
+    @staticmethod
+    def _token(request_id: str, token: int) -> dict:
+        return {"kind": protocol.KIND_TOKEN, "id": request_id, "token_ids": [token],
+                "log_probs": [-0.5]}  # fmt: skip
+
+    def assert_each_finished_once(self) -> None:
+        submitted = [m["id"] for m in self.messages]
+        assert sorted(submitted) == sorted(self.finished)
+        assert all(len(flags) == 1 for flags in self.finished.values()), self.finished
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return Tokenizer(smollm2_dir)
+
+
+def make_handler(
+    smollm2_dir, tokenizer, behaviour="answer", **env
+) -> tuple[LLMHandler, FakeEngine]:
+    environ = {"OPTION_MAX_MODEL_LEN": "128", **env}
+    config = load_config(None, environ).config
+    runtime = Runtime(config, "smollm2", str(smollm2_dir), "test", "/nonexistent")
+    eos_id = tokenizer.encode("<|im_end|>", add_special_tokens=False)[0]
+    engine = FakeEngine(tokenizer, eos_id, behaviour)
+    return LLMHandler(runtime, engine), engine
+
+
+def call(handler, payload, route=Route.INVOCATIONS, content_type="application/json", **headers):
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    request = HandlerRequest(body, content_type, "req-1", route, headers)
+    return handler.handle(request)
+
+
+def stream_lines(answer: HandlerResponse) -> list[str]:
+    assert answer.stream is not None
+    return "".join(answer.stream).splitlines()
+
+
+def test_text_request_gets_djl_shape_and_prompt_reaches_engine(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    answer = call(
+        handler, {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 40}}
+    )
+    assert answer.status == 200
+    assert answer.json == {"generated_text": REPLY}
+    (message,) = engine.messages
+    assert message["prompt_ids"] == tokenizer.encode("The capital of France is")
+    assert message["params"]["max_new_tokens"] == 40
+    assert message["stream"] is False
+    engine.assert_each_finished_once()
+    assert engine.finished[message["id"]] == [False]  # ended by the engine: nothing to abort
+
+
+def test_list_of_inputs_gets_list_of_outputs(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    answer = call(handler, {"inputs": ["a", "b", "c"], "parameters": {"max_new_tokens": 3}})
+    cut = tokenizer.decode(engine.reply_ids[:3])
+    assert answer.json == [{"generated_text": cut}] * 3
+    assert len(engine.messages) == 3
+    engine.assert_each_finished_once()
+
+
+def test_details_and_tgi_compat(smollm2_dir, tokenizer):
+    handler, _ = make_handler(smollm2_dir, tokenizer, OPTION_TGI_COMPAT="true")
+    payload = {"inputs": "Hi", "parameters": {"max_new_tokens": 2, "details": True}}
+    (output,) = call(handler, payload).json  # TGI answers a list even for one input
+    assert output["details"]["finish_reason"] == "length"
+    assert output["details"]["generated_tokens"] == 2
+    assert set(output["details"]["tokens"][0]) == {"id", "text", "logprob", "special"}
+
+
+def test_stop_sequence_cuts_the_text(smollm2_dir, tokenizer):
+    handler, _ = make_handler(smollm2_dir, tokenizer)
+    payload = {
+        "inputs": "Hi",
+        "parameters": {"max_new_tokens": 40, "stop_sequences": [" capital"], "details": True},
+    }
+    output = call(handler, payload).json
+    assert output["generated_text"] == " Paris is the"
+    assert output["details"]["finish_reason"] == "stop_sequence"
+
+
+def test_jsonlines_stream_token_by_token(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    answer = call(handler, {"inputs": "Hi", "stream": True, "parameters": {"max_new_tokens": 40}})
+    assert answer.content_type == "application/jsonlines"
+    events = [json.loads(line) for line in stream_lines(answer)]
+    assert "".join(e["token"]["text"] for e in events) == REPLY
+    assert events[-1]["generated_text"] == REPLY
+    assert engine.messages[0]["stream"] is True
+    engine.assert_each_finished_once()
+
+
+def test_sse_when_the_client_accepts_it_and_stop_sequence_aborts(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    payload = {"inputs": "Hi", "stream": True, "parameters": {"stop_sequences": [" is"]}}
+    answer = call(handler, payload, Accept="text/event-stream")
+    assert answer.content_type == "text/event-stream"
+    events = [json.loads(line.removeprefix("data: ")) for line in stream_lines(answer) if line]
+    assert events[-1]["generated_text"] == " Paris"
+    # The engine would go on generating: the stop sequence ends the request there too.
+    assert engine.finished[engine.messages[0]["id"]] == [True]
+
+
+def test_chat_completion_with_usage(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    payload = {"messages": [{"role": "user", "content": "Capital of France?"}], "max_tokens": 40}
+    answer = call(handler, payload, Route.CHAT_COMPLETIONS)
+    assert answer.json["object"] == "chat.completion", answer.json
+    assert answer.json["choices"][0]["message"]["content"] == REPLY
+    assert answer.json["choices"][0]["finish_reason"] == "stop"
+    prompt_ids = engine.messages[0]["prompt_ids"]
+    assert tokenizer.decode(prompt_ids).endswith("Capital of France?\nassistant\n")
+    assert answer.json["usage"]["prompt_tokens"] == len(prompt_ids)
+
+
+def test_chat_too_long_names_max_tokens(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    payload = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 120}
+    answer = call(handler, payload, Route.CHAT_COMPLETIONS)
+    assert (answer.status, answer.json["field"]) == (400, "max_tokens")
+    assert engine.messages == []
+
+
+def test_chat_route_refuses_a_text_payload(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    answer = call(handler, {"inputs": "Hi"}, Route.CHAT_COMPLETIONS)
+    assert (answer.status, answer.json["field"]) == (400, "messages")
+    assert engine.messages == []
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        (b"{not json", "body"),
+        ({"inputs": 3}, "inputs"),
+        ({"inputs": "Hi", "parameters": {"max_new_tokens": "ten"}}, "parameters.max_new_tokens"),
+        ({"inputs": "word " * 200}, "inputs"),  # over option.max_model_len (128 tokens)
+        ({"inputs": "Hi", "parameters": {"max_new_tokens": 128}}, "parameters.max_new_tokens"),
+    ],
+)
+def test_bad_input_is_400_naming_the_field_and_never_reaches_the_engine(
+    smollm2_dir, tokenizer, payload, field
+):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    answer = call(handler, payload)
+    assert answer.status == 400
+    assert answer.json["field"] == field
+    assert field in answer.json["message"]
+    assert engine.messages == []
+
+
+def test_engine_refusal_is_its_status(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer, behaviour="refuse")
+    answer = call(handler, {"inputs": "Hi"})
+    assert answer.status == 503
+    assert "job queue full" in answer.json["message"]
+    engine.assert_each_finished_once()
+
+
+def test_silent_engine_times_out_with_424(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer, "silent", OPTION_PREDICT_TIMEOUT="1")
+    answer = call(handler, {"inputs": "Hi"})
+    assert answer.status == 424
+    assert "option.predict_timeout" in answer.json["error"]
+    assert engine.finished[engine.messages[0]["id"]] == [True]  # the engine is told to drop it
+
+
+def test_failure_after_the_first_token_ends_the_stream_with_an_error_event(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer, behaviour="fail_midway")
+    answer = call(handler, {"inputs": "Hi", "stream": True})
+    assert answer.status == 200  # the first token was on its way before the failure
+    events = [json.loads(line) for line in stream_lines(answer)]
+    assert events[-1] == {"code": 500, "error": "rank 1 died"}
+    assert "token" in events[0]
+    engine.assert_each_finished_once()
+
+
+def test_a_client_that_leaves_mid_stream_aborts_the_request(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    answer = call(handler, {"inputs": "Hi", "stream": True, "parameters": {"max_new_tokens": 40}})
+    next(answer.stream)
+    answer.stream.close()  # what the WSGI server does when the connection drops
+    assert engine.finished[engine.messages[0]["id"]] == [True]
