@@ -17,6 +17,7 @@ ends right before it.
 
 from __future__ import annotations
 
+from .outputs import find_stop
 from .tokenizer import Tokenizer
 
 
@@ -46,11 +47,11 @@ class IncrementalDetokenizer:
         new_text, complete = self._decode_window()
         # Stop sequences are looked for even in text that ends inside a character.
         candidate = self._pending + new_text
-        stop = _first_stop(candidate, self.stop_sequences)
+        stop = find_stop(candidate, self.stop_sequences)
         if stop is not None:
             self.stopped = True
             self._pending = ""
-            return self._release(candidate[:stop])
+            return self._release(candidate[: stop[0]])
         if not complete:
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
@@ -83,8 +84,3 @@ class IncrementalDetokenizer:
         if piece:
             self._released.append(piece)
         return piece
-
-
-def _first_stop(text: str, stop_sequences: tuple[str, ...]) -> int | None:
-    starts = [text.find(s) for s in stop_sequences if s in text]
-    return min(starts) if starts else None

@@ -30,14 +30,24 @@ def complete(
     stop_sequences: tuple[str, ...],
 ) -> Completion:
     text = tokenizer.decode(token_ids)
-    found = [(text.find(s), len(s)) for s in stop_sequences if s in text]
-    if not found:
+    stop = find_stop(text, stop_sequences)
+    if stop is None:
         return Completion(prompt, text, token_ids, log_probs, finish_reason)
-    start, length = min(found)
-    num_tokens = _tokens_covering(tokenizer, token_ids, start + length)
+    start, end = stop
+    num_tokens = _tokens_covering(tokenizer, token_ids, end)
     return Completion(
         prompt, text[:start], token_ids[:num_tokens], log_probs[:num_tokens], "stop_sequence"
     )
+
+
+def find_stop(text: str, stop_sequences: tuple[str, ...]) -> tuple[int, int] | None:
+    """(start, end) of the earliest stop sequence in `text` (the shortest of those starting
+    there), or None. Streams and final answers both cut here, so they agree."""
+    found = [(text.find(s), len(s)) for s in stop_sequences if s in text]
+    if not found:
+        return None
+    start, length = min(found)
+    return start, start + length
 
 
 def _tokens_covering(tokenizer: Tokenizer, token_ids: list[int], num_chars: int) -> int:

@@ -5,14 +5,13 @@ accepted request ends in exactly one answer: the outputs, or one error."""
 
 from __future__ import annotations
 
-import json
 import queue
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from lmserve.rolling_batch import protocol
+from lmserve.rolling_batch.context_length import context_length_of
 from lmserve.rolling_batch.runtime import Runtime
 
 from .chat import ChatRequest, ChatResponder, ChatTemplate
@@ -45,23 +44,12 @@ class _Generation:
             self.finish_reason = event["finish_reason"]
 
 
-def max_model_len(runtime: Runtime) -> int:
-    """option.max_model_len, else the model's own context length."""
-    if runtime.config.max_model_len is not None:
-        return runtime.config.max_model_len
-    model_config = json.loads((Path(runtime.model_path) / "config.json").read_text())
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        if isinstance(model_config.get(key), int):
-            return model_config[key]
-    return 2048  # what HF assumes for models that do not say
-
-
 class Predictor:
     def __init__(self, runtime: Runtime, client: EngineConnection):
         self.runtime = runtime
         self.client = client
         self.tokenizer = Tokenizer(runtime.model_path, runtime.config.trust_remote_code)
-        self.max_model_len = max_model_len(runtime)
+        self.max_model_len = context_length_of(runtime.model_path, runtime.config.max_model_len)
         self.chat_template = ChatTemplate(runtime.model_path)
 
     def predict(self, request: TextRequest, request_id: str) -> dict | list:

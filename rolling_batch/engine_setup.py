@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from . import kv_cache
+from .context_length import context_length
 from .layers.parallel import TensorParallelGroup, shard_heads
 from .model_loader import load_hf_config, load_model, resolve_dtype
 from .model_runner import ModelRunner
@@ -65,7 +66,7 @@ def build_runner(
     if isinstance(checkpoint_dtype, str):
         checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
     dtype = resolve_dtype(options.dtype, checkpoint_dtype, device.type)
-    max_model_len = options.max_model_len or hf_config.max_position_embeddings
+    max_model_len = context_length(hf_config.to_dict(), options.max_model_len)
     model = load_model(model_path, hf_config, dtype, device, group, max_model_len)
 
     block_size = options.block_size if options.paged_attention else max_model_len
