@@ -19,7 +19,7 @@ from lmserve.rolling_batch.gguf_convert import GGUFError
 from lmserve.rolling_batch.runtime import Runtime
 
 from .launcher import Supervisor, make_ipc_dir, unsupported_settings
-from .model_store import ModelStoreError, resolve_model
+from .model_store import ModelStoreError, resolve_model, served_model_dir
 from .s3_download import S3Error
 
 log = logging.getLogger("lmserve")
@@ -49,7 +49,7 @@ def _load(model_dir: Path | None) -> ResolvedConfig:
 
 def serve(args: argparse.Namespace) -> int:
     model_dir = args.model_dir if args.model_dir is not None else default_model_dir()
-    resolved = _load(model_dir)
+    resolved = _load(served_model_dir(model_dir))  # a model store's one model: its own file
     config = resolved.config
     problems = unsupported_settings(config)
     if problems:
@@ -81,7 +81,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def show_config(args: argparse.Namespace) -> int:
     model_dir = args.model_dir if args.model_dir is not None else default_model_dir()
-    print(describe(_load(model_dir)))
+    print(describe(_load(served_model_dir(model_dir))))
     return 0
 
 

