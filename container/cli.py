@@ -85,7 +85,9 @@ def show_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `lmserve` parser; `command` is the subcommand about to run (the bench subcommand's
+    own arguments are added only for it)."""
     parser = argparse.ArgumentParser(prog="lmserve", description="LLM serving container")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="serve /ping and /invocations")
@@ -103,16 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser = commands.add_parser(
         "bench", help="load-test servers: throughput, TTFT, latency; table, JSON, plots"
     )
-    from lmserve.benchmarks import bench_cli
+    if command == "bench":
+        # Only `lmserve bench` imports the benchmarks (load generator, plots): a server needs
+        # none of it, and a broken or missing benchmark dependency must not stop `serve`.
+        from lmserve.benchmarks import bench_cli
 
-    bench_cli.add_arguments(bench_parser)
-    bench_parser.set_defaults(run=bench_cli.run)
+        bench_cli.add_arguments(bench_parser)
+        bench_parser.set_defaults(run=bench_cli.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     try:
         sys.exit(args.run(args))
     except (ConfigError, ModelStoreError, S3Error, GGUFError) as error:
