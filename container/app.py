@@ -46,7 +46,7 @@ def create_app(runtime_path: str) -> Flask:
         response.headers["x-request-id"] = g.get("request_id") or uuid.uuid4().hex
         if request.endpoint in _INFERENCE_ROUTES:
             # Counted in the engine so every gunicorn worker's /metrics agrees.
-            client.notify({"op": protocol.OP_COUNT_RESPONSE, "status": response.status_code})
+            client.notify(protocol.CountResponse(response.status_code))
         return response
 
     @app.errorhandler(HTTPException)
@@ -66,9 +66,9 @@ def create_app(runtime_path: str) -> Flask:
     @app.get("/ping")
     def ping():
         state = client.state()
-        if state["state"] == protocol.STATE_READY:
+        if state["state"] == protocol.EngineState.READY:
             return jsonify({name: {"status": "Healthy"}})
-        if state["state"] == protocol.STATE_FAILED:
+        if state["state"] == protocol.EngineState.FAILED:
             return jsonify({name: {"status": "Failed", "reason": state.get("reason")}}), 500
         return jsonify({name: {"status": "Loading", "reason": state.get("reason")}}), 503
 
@@ -99,8 +99,8 @@ def create_app(runtime_path: str) -> Flask:
         if model != name:
             return _error(404, f"model {model!r} not found; this server serves {name!r}")
         state = client.state()
-        if state["state"] != protocol.STATE_READY:
-            status = 500 if state["state"] == protocol.STATE_FAILED else 503
+        if state["state"] != protocol.EngineState.READY:
+            status = 500 if state["state"] == protocol.EngineState.FAILED else 503
             return _error(status, f"model {name} is not ready: {state.get('reason', '')}")
         handler_request = HandlerRequest(
             body=request.get_data(cache=False),
@@ -133,7 +133,7 @@ def create_app(runtime_path: str) -> Flask:
         """The engine's stats, fresh or (while a long batch or step keeps it from answering)
         the newest this worker has, at most predict_timeout old: an engine silent for longer
         than a request may take counts as down."""
-        if state["state"] != protocol.STATE_READY:
+        if state["state"] != protocol.EngineState.READY:
             return None
         answer = client.stats(_STATS_TIMEOUT_S)
         if answer is None or answer[1] > runtime.config.predict_timeout:

@@ -38,7 +38,7 @@ class EngineClient:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
         self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
-        self._waiters: dict[str, queue.SimpleQueue[dict]] = {}
+        self._waiters: dict[str, queue.SimpleQueue[protocol.Event]] = {}
         self._lock = threading.Lock()
         self._latest_stats: tuple[dict, float] | None = None  # (stats, monotonic time received)
         self._refresh_sent_at: float | None = None  # a refresh request awaits its answer
@@ -51,11 +51,13 @@ class EngineClient:
     def state(self) -> dict:
         return read_state(self.runtime)
 
-    def submit(self, message: dict) -> queue.SimpleQueue[dict]:
-        """Sends `message` (carrying an "id"); its events arrive on the returned queue."""
-        events: queue.SimpleQueue[dict] = queue.SimpleQueue()
+    def submit(
+        self, message: protocol.GenerateRequest | protocol.StatsRequest
+    ) -> queue.SimpleQueue[protocol.Event]:
+        """Sends `message`; the events for its id arrive on the returned queue."""
+        events: queue.SimpleQueue[protocol.Event] = queue.SimpleQueue()
         with self._lock:
-            self._waiters[message["id"]] = events
+            self._waiters[message.id] = events
         self._send(message)
         return events
 
@@ -64,27 +66,30 @@ class EngineClient:
         with self._lock:
             self._waiters.pop(request_id, None)
         if abort:
-            self._send({"op": protocol.OP_ABORT, "id": request_id})
+            self._send(protocol.AbortRequest(request_id))
 
     def stats(self, timeout: float) -> tuple[dict, float] | None:
         """(the engine's stats, their age in seconds): a fresh answer when the engine gives
         one within `timeout`, else the newest this worker has; None if it has none."""
         stats_id = f"stats-{uuid.uuid4().hex}"
-        events = self.submit({"op": protocol.OP_STATS, "id": stats_id})
+        events = self.submit(protocol.StatsRequest(stats_id))
         try:
-            return events.get(timeout=timeout)["stats"], 0.0
+            answer = events.get(timeout=timeout)
+            if isinstance(answer, protocol.StatsEvent):
+                return answer.stats, 0.0
         except queue.Empty:
-            latest = self._latest_stats
-            return None if latest is None else (latest[0], time.monotonic() - latest[1])
+            pass
         finally:
             self.finish(stats_id, abort=False)
+        latest = self._latest_stats  # no answer, or an error event instead of stats
+        return None if latest is None else (latest[0], time.monotonic() - latest[1])
 
-    def notify(self, message: dict) -> None:
+    def notify(self, message: protocol.CountResponse) -> None:
         """Sends a message that gets no reply."""
         self._send(message)
 
-    def _send(self, message: dict) -> None:
-        self._outbox.put(protocol.pack(message))
+    def _send(self, message: protocol.ToEngine) -> None:
+        self._outbox.put(protocol.encode(message))
         os.write(self._wake_write, b"x")
 
     def _run(self) -> None:
@@ -106,7 +111,7 @@ class EngineClient:
                 next_state_check = now + _STATE_CHECK_S
                 ready = self.state()
                 self._fail_all_if_engine_failed(ready)
-                self._refresh_stats(socket, now, ready["state"] == protocol.STATE_READY)
+                self._refresh_stats(socket, now, ready["state"] == protocol.EngineState.READY)
 
     def _refresh_stats(self, socket: zmq.Socket, now: float, ready: bool) -> None:
         """Asks for stats when this worker's copy is old, unless a request is still unanswered
@@ -124,7 +129,7 @@ class EngineClient:
         if latest is not None and now - latest[1] < _STATS_REFRESH_S:
             return
         self._refresh_sent_at = now
-        socket.send(protocol.pack({"op": protocol.OP_STATS, "id": _REFRESH_ID}))
+        socket.send(protocol.encode(protocol.StatsRequest(_REFRESH_ID)))
 
     def _flush_outbox(self, socket: zmq.Socket) -> None:
         try:
@@ -145,29 +150,29 @@ class EngineClient:
             except zmq.Again:
                 return
             try:
-                events = protocol.events_of(protocol.unpack(frame))
-                with self._lock:
-                    routes = [(self._waiters.get(event.get("id")), event) for event in events]
-            except (ValueError, TypeError) as error:  # msgpack's errors are ValueErrors
+                events = protocol.decode_events(frame)
+            except protocol.MalformedFrame as error:
                 log.error("dropping malformed engine frame: %s", error)
                 continue
+            with self._lock:
+                routes = [(self._waiters.get(event.id), event) for event in events]
             self._keep_stats(events)
             for waiter, event in routes:
                 if waiter is not None:
                     waiter.put(event)
 
-    def _keep_stats(self, events: list[dict]) -> None:
+    def _keep_stats(self, events: list[protocol.Event]) -> None:
         for event in events:
-            if event.get("kind") == protocol.KIND_STATS and isinstance(event.get("stats"), dict):
-                self._latest_stats = (event["stats"], time.monotonic())
-                if event.get("id") == _REFRESH_ID:
+            if isinstance(event, protocol.StatsEvent):
+                self._latest_stats = (event.stats, time.monotonic())
+                if event.id == _REFRESH_ID:
                     self._refresh_sent_at = None
 
     def _fail_all_if_engine_failed(self, state: dict) -> None:
-        if state["state"] != protocol.STATE_FAILED:
+        if state["state"] != protocol.EngineState.FAILED:
             return
         with self._lock:
             waiters, self._waiters = self._waiters, {}
         reason = f"engine failed: {state.get('reason', 'unknown')}"
         for request_id, waiter in waiters.items():
-            waiter.put(protocol.error_event(request_id, 503, reason))
+            waiter.put(protocol.ErrorEvent(request_id, 503, reason))

@@ -56,7 +56,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         runtime_path = self.runtime.write()
-        write_state(self.runtime, protocol.STATE_LOADING, "loading the model")
+        write_state(self.runtime, protocol.EngineState.LOADING, "loading the model")
         try:
             self.engine = self._start_engine(runtime_path)
             self.http = self._start(self._gunicorn_command(runtime_path))
@@ -96,7 +96,7 @@ class Supervisor:
             if self.engine.poll() is not None:
                 reason = f"engine exited with code {self.engine.returncode}"
                 engine_state = read_state(self.runtime)
-                if engine_state["state"] == protocol.STATE_FAILED:
+                if engine_state["state"] == protocol.EngineState.FAILED:
                     reason = f"{engine_state['reason']}; {reason}"
                 if not config.restart_engine_on_failure or restarts >= MAX_RESTARTS:
                     return self._engine_failed(reason)
@@ -106,10 +106,10 @@ class Supervisor:
                 announced_ready = False
                 continue
             state = read_state(self.runtime)["state"]
-            if state == protocol.STATE_READY and not announced_ready:
+            if state == protocol.EngineState.READY and not announced_ready:
                 log.info("ready: http://%s:%d/invocations", self.host, self.port)
                 announced_ready = True
-            if state == protocol.STATE_LOADING and time.monotonic() > loading_deadline:
+            if state == protocol.EngineState.LOADING and time.monotonic() > loading_deadline:
                 return self._engine_failed(
                     f"model not loaded within {self.runtime.config.model_loading_timeout} s"
                     " (option.model_loading_timeout)"
@@ -120,15 +120,15 @@ class Supervisor:
 
     def _restart_engine(self, reason: str, runtime_path: Path, restarts: int) -> None:
         log.error("%s; restarting the engine (%d of %d)", reason, restarts, MAX_RESTARTS)
-        write_state(self.runtime, protocol.STATE_FAILED, reason)
+        write_state(self.runtime, protocol.EngineState.FAILED, reason)
         _stop_group(self.engine)
         time.sleep(RESTART_GRACE_S)  # waiting requests are answered from the failed state
-        write_state(self.runtime, protocol.STATE_LOADING, f"restarting after: {reason}")
+        write_state(self.runtime, protocol.EngineState.LOADING, f"restarting after: {reason}")
         self.engine = self._start_engine(runtime_path)
 
     def _engine_failed(self, reason: str) -> int:
         log.error("%s; answering with errors for %.0f s, then exiting", reason, FAILED_GRACE_S)
-        write_state(self.runtime, protocol.STATE_FAILED, reason)
+        write_state(self.runtime, protocol.EngineState.FAILED, reason)
         _stop_group(self.engine)
         deadline = time.monotonic() + FAILED_GRACE_S
         while time.monotonic() < deadline and self._stop_signal is None:

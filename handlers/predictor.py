@@ -37,11 +37,11 @@ class _Generation:
     log_probs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
 
-    def add(self, event: dict) -> None:
-        self.token_ids += event["token_ids"]
-        self.log_probs += event["log_probs"]
-        if event["kind"] == protocol.KIND_FINAL:
-            self.finish_reason = event["finish_reason"]
+    def add(self, event: protocol.TokenEvent | protocol.FinalEvent) -> None:
+        self.token_ids += event.token_ids
+        self.log_probs += event.log_probs
+        if isinstance(event, protocol.FinalEvent):
+            self.finish_reason = event.finish_reason
 
 
 class Predictor:
@@ -74,7 +74,7 @@ class Predictor:
         too long) is still an ordinary error response; then returns the event stream, shaped
         by `responder` (`.token(...)`, `.error(...)`)."""
         engine_id = f"{request_id}/0"
-        events = self.client.submit(protocol.generate_message(engine_id, prompt_ids, params))
+        events = self.client.submit(protocol.GenerateRequest(engine_id, prompt_ids, params))
         deadline = self._deadline()
         try:
             first = self._next_event(events, deadline)
@@ -93,7 +93,7 @@ class Predictor:
             while True:
                 generation.add(event)
                 done = generation.finish_reason is not None
-                tokens = list(zip(event["token_ids"], event["log_probs"]))
+                tokens = list(zip(event.token_ids, event.log_probs))
                 for index, (token, log_prob) in enumerate(tokens):
                     text = detokenizer.add(token)
                     last = detokenizer.stopped or (done and index == len(tokens) - 1)
@@ -152,7 +152,7 @@ class Predictor:
     def _generate_all(self, prompts, params, request_id: str) -> list[_Generation]:
         engine_ids = [f"{request_id}/{index}" for index in range(len(prompts))]
         queues = [
-            self.client.submit(protocol.generate_message(i, p, params, stream=False))
+            self.client.submit(protocol.GenerateRequest(i, p, params, stream=False))
             for i, p in zip(engine_ids, prompts)
         ]
         deadline = self._deadline()
@@ -213,7 +213,7 @@ class Predictor:
     def _deadline(self) -> float:
         return time.monotonic() + self.runtime.config.predict_timeout
 
-    def _next_event(self, events: queue.SimpleQueue, deadline: float) -> dict:
+    def _next_event(self, events: queue.SimpleQueue, deadline: float) -> protocol.Event:
         try:
             event = events.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
@@ -222,6 +222,6 @@ class Predictor:
                 f"prediction timed out after {self.runtime.config.predict_timeout} s"
                 " (option.predict_timeout)",
             ) from None
-        if event["kind"] == protocol.KIND_ERROR:
-            raise PredictionError(event["status"], event["message"])
+        if isinstance(event, protocol.ErrorEvent):
+            raise PredictionError(event.status, event.message)
         return event

@@ -17,7 +17,6 @@ import zmq
 
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.ipc import drain_router
-from lmserve.rolling_batch.protocol import GenerationParams
 from lmserve.rolling_batch.runtime import Runtime, write_state
 
 from .dynamic_batcher import DynamicBatcher, PendingRequest
@@ -52,25 +51,23 @@ class PythonEngineLoop:
             if batch:
                 self._run_batch(batch)
 
-    def _handle(self, identity: bytes, message: dict) -> None:
-        op, request_id = message["op"], message.get("id", "")
-        if op == protocol.OP_GENERATE:
+    def _handle(self, identity: bytes, message: protocol.ToEngine) -> None:
+        if isinstance(message, protocol.GenerateRequest):
             if not self.batcher.can_add():
                 limit = self.batcher.max_queued
-                self._send(identity, protocol.queue_full_event(request_id, limit))
+                self._send(identity, protocol.queue_full_event(message.id, limit))
                 return
-            params = GenerationParams(**message["params"])
             self.batcher.add(
                 PendingRequest(
-                    request_id, identity, message["prompt_ids"], params, time.monotonic()
+                    message.id, identity, message.prompt_ids, message.params, time.monotonic()
                 )
             )
-        elif op == protocol.OP_ABORT:
-            self.batcher.remove(request_id)
-        elif op == protocol.OP_COUNT_RESPONSE:
-            self.http_responses[message["status"]] += 1
-        elif op == protocol.OP_STATS:
-            self._send(identity, protocol.stats_event(request_id, self.stats()))
+        elif isinstance(message, protocol.AbortRequest):
+            self.batcher.remove(message.id)
+        elif isinstance(message, protocol.CountResponse):
+            self.http_responses[message.status] += 1
+        elif isinstance(message, protocol.StatsRequest):
+            self._send(identity, protocol.StatsEvent(message.id, self.stats()))
 
     def stats(self) -> dict:
         return {
@@ -95,7 +92,7 @@ class PythonEngineLoop:
         for request, result in zip(batch, results):
             self._send(
                 request.reply_to,
-                protocol.final_event(
+                protocol.FinalEvent(
                     request.request_id,
                     result.token_ids,
                     result.log_probs,
@@ -110,10 +107,10 @@ class PythonEngineLoop:
         log.error("request %s failed: %r", request.request_id, error)
         status = 507 if out_of_memory else 424
         message = f"{type(error).__name__}: {error}"
-        self._send(request.reply_to, protocol.error_event(request.request_id, status, message))
+        self._send(request.reply_to, protocol.ErrorEvent(request.request_id, status, message))
 
-    def _send(self, identity: bytes, event: dict) -> None:
-        self.socket.send_multipart([identity, protocol.pack(event)])
+    def _send(self, identity: bytes, event: protocol.FromEngine) -> None:
+        self.socket.send_multipart([identity, protocol.encode(event)])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         engine = HFEngine.load(runtime.model_path, config.dtype, config.trust_remote_code)
     except Exception as error:
         # /ping and the supervisor show why, not just an exit code.
-        write_state(runtime, protocol.STATE_FAILED, f"model failed to load: {error!r}"[:2000])
+        write_state(runtime, protocol.EngineState.FAILED, f"model failed to load: {error!r}"[:2000])
         raise
     log.info(
         "engine=Python model %s loaded in %.1f s: dtype=%s device=%s batch_size=%d"
@@ -145,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     socket.bind(runtime.engine_address)
     write_state(
         runtime,
-        protocol.STATE_READY,
+        protocol.EngineState.READY,
         dtype=str(engine.dtype).removeprefix("torch."),
         device=engine.device,
     )

@@ -24,7 +24,6 @@ import zmq
 from . import protocol
 from .engine_stats import EngineStats, PhaseTimer
 from .ipc import drain_router
-from .protocol import GenerationParams
 from .request import Request
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
@@ -103,7 +102,7 @@ class RollingEngine:
         events = self._events_by_worker(produced, len(out.requests))
         timer.mark("update")
         for identity, group in events.items():
-            self._send(identity, group[0] if len(group) == 1 else protocol.batch_event(group))
+            self._send(identity, group[0] if len(group) == 1 else protocol.BatchEvent(group))
         timer.mark("send")
         self._profile(timer, len(out.requests))
 
@@ -113,8 +112,8 @@ class RollingEngine:
         if summary is not None:
             log.info("%s", summary)
 
-    def _events_by_worker(self, produced, batch_size: int) -> dict[bytes, list[dict]]:
-        events: dict[bytes, list[dict]] = {}
+    def _events_by_worker(self, produced, batch_size: int) -> dict[bytes, list[protocol.Event]]:
+        events: dict[bytes, list[protocol.Event]] = {}
         for request, token, log_prob in produced:
             event = self._event(request, token, log_prob, batch_size)
             if event is not None:
@@ -135,19 +134,14 @@ class RollingEngine:
         if request.finish_reason is None:
             if request in self._unstreamed:
                 return None
-            return {
-                "kind": protocol.KIND_TOKEN,
-                "id": request.request_id,
-                "token_ids": [token],
-                "log_probs": [log_prob],
-            }
+            return protocol.TokenEvent(request.request_id, [token], [log_prob])
         self.stats.finished[request.finish_reason] += 1
         if request in self._unstreamed:
             token_ids, log_probs = request.output_ids, request.output_log_probs
         else:
             token_ids, log_probs = [token], [log_prob]
         self._forget(request)
-        return protocol.final_event(
+        return protocol.FinalEvent(
             request.request_id, token_ids, log_probs, request.finish_reason, batch_size
         )
 
@@ -168,38 +162,37 @@ class RollingEngine:
         for request in requests:
             self.stats.finished["error"] += 1
             self._forget(request)
-            self._send(request.reply_to, protocol.error_event(request.request_id, status, message))
+            self._send(request.reply_to, protocol.ErrorEvent(request.request_id, status, message))
 
-    def _handle(self, identity: bytes, message: dict) -> None:
-        op, request_id = message["op"], message.get("id", "")
-        if op == protocol.OP_GENERATE:
-            self._admit(identity, request_id, message)
-        elif op == protocol.OP_ABORT:
-            request = self.scheduler.abort(request_id)
+    def _handle(self, identity: bytes, message: protocol.ToEngine) -> None:
+        if isinstance(message, protocol.GenerateRequest):
+            self._admit(identity, message)
+        elif isinstance(message, protocol.AbortRequest):
+            request = self.scheduler.abort(message.id)
             if request is not None:
                 self.stats.finished["abort"] += 1
                 self._forget(request)
-        elif op == protocol.OP_STATS:
-            self._send(identity, protocol.stats_event(request_id, self.snapshot()))
-        elif op == protocol.OP_COUNT_RESPONSE:
-            self.stats.http_responses[message["status"]] += 1
+        elif isinstance(message, protocol.StatsRequest):
+            self._send(identity, protocol.StatsEvent(message.id, self.snapshot()))
+        elif isinstance(message, protocol.CountResponse):
+            self.stats.http_responses[message.status] += 1
 
-    def _admit(self, identity: bytes, request_id: str, message: dict) -> None:
-        params = GenerationParams(**message["params"])
-        prompt_ids = message["prompt_ids"]
-        needed = len(prompt_ids) + params.max_new_tokens
+    def _admit(self, identity: bytes, message: protocol.GenerateRequest) -> None:
+        needed = len(message.prompt_ids) + message.params.max_new_tokens
         if needed > self.capacity_tokens:
             reason = (
                 f"prompt + max_new_tokens = {needed} tokens; the KV cache holds at most"
                 f" {self.capacity_tokens} for one request"
             )
-            self._send(identity, protocol.error_event(request_id, 400, reason))
+            self._send(identity, protocol.ErrorEvent(message.id, 400, reason))
             return
         if len(self.scheduler.waiting) >= self.max_waiting:
-            self._send(identity, protocol.queue_full_event(request_id, self.max_waiting))
+            self._send(identity, protocol.queue_full_event(message.id, self.max_waiting))
             return
-        request = Request(request_id, prompt_ids, params, time.monotonic(), reply_to=identity)
-        if not message.get("stream", True):
+        request = Request(
+            message.id, message.prompt_ids, message.params, time.monotonic(), reply_to=identity
+        )
+        if not message.stream:
             self._unstreamed.add(request)
         self.scheduler.add(request)
 
@@ -215,5 +208,5 @@ class RollingEngine:
             "num_preemptions": self.scheduler.num_preemptions,
         }
 
-    def _send(self, identity: bytes, event: dict) -> None:
-        self.socket.send_multipart([identity, protocol.pack(event)])
+    def _send(self, identity: bytes, event: protocol.FromEngine) -> None:
+        self.socket.send_multipart([identity, protocol.encode(event)])

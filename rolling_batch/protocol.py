@@ -1,43 +1,46 @@
 """What the front end and an engine say to each other over the IPC socket.
 
 Every engine (the dynamic-batching HF engine and the rolling-batch MPI engine) speaks this: token
-ids in, token ids out. Frames are msgpack maps, never pickle. The front end talks through a
-DEALER socket, the engine answers through a ROUTER, so replies find the gunicorn worker that
-asked. The rolling engine sends each web worker one frame per step: its events of that step in
-a KIND_BATCH frame (a single event goes alone). Torch-free.
+ids in, token ids out. Frames are msgpack maps, never pickle. Each message is a typed
+`msgspec.Struct`; a tag field ("op" towards the engine, "kind" back) names its type, so one
+decoder per direction turns any frame into the right message and checks every field's type on
+the way: a malformed frame fails to decode (MalformedFrame) instead of failing later, deep inside
+whoever reads it.
+
+The front end talks through a DEALER socket, the engine answers through a ROUTER, so replies find
+the gunicorn worker that asked. The rolling engine sends each web worker one frame per step: its
+events of that step in a BatchEvent (a single event goes alone). Torch-free.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any
 
-import msgpack
+import msgspec
 
 ENGINE_SOCKET = "engine.sock"
 STATE_FILE = "state.json"
 
-# front end -> engine
-OP_GENERATE = "generate"
-OP_ABORT = "abort"
-OP_STATS = "stats"
-OP_COUNT_RESPONSE = "count_response"  # the front end's HTTP status of a finished request
 
-# engine -> front end
-KIND_TOKEN = "token"  # one more token of a request still running (rolling engine)
-KIND_FINAL = "final"
-KIND_ERROR = "error"
-KIND_STATS = "stats"
-KIND_BATCH = "batch"  # {"kind": "batch", "events": [event, ...]}: one step's events for a worker
+class EngineState(StrEnum):
+    """The engine's state, written to STATE_FILE by the launcher and the engine."""
 
-# engine states, written to STATE_FILE
-STATE_LOADING = "loading"
-STATE_READY = "ready"
-STATE_FAILED = "failed"
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
 
 
-@dataclass(frozen=True)
-class GenerationParams:
+class FinishReason(StrEnum):
+    """Why a generation ended. Engines send LENGTH or EOS_TOKEN; the front end, which owns the
+    stop-sequence scan, turns an answer into STOP_SEQUENCE."""
+
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+
+
+class GenerationParams(msgspec.Struct, frozen=True):
     """The parameters an engine acts on. Requests with equal params can share a static batch."""
 
     max_new_tokens: int = 30
@@ -65,75 +68,148 @@ class GenerationParams:
             self.ignore_eos,
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+
+# front end -> engine
 
 
-def generate_message(
-    request_id: str, prompt_ids: list[int], params: GenerationParams, stream: bool = True
-) -> dict:
+class _ToEngine(msgspec.Struct, frozen=True, tag_field="op"):
+    pass
+
+
+class GenerateRequest(_ToEngine, tag="generate"):
     """`stream=False`: no token events, the final event carries every token (the rolling
     engine; the Python engine only ever sends final events)."""
-    return {
-        "op": OP_GENERATE,
-        "id": request_id,
-        "prompt_ids": prompt_ids,
-        "params": params.to_dict(),
-        "stream": stream,
-    }
+
+    id: str
+    prompt_ids: list[int]
+    params: GenerationParams
+    stream: bool = True
 
 
-def final_event(
-    request_id: str,
-    token_ids: list[int],
-    log_probs: list[float],
-    finish_reason: str,
-    batch_size: int,
-) -> dict:
-    return {
-        "kind": KIND_FINAL,
-        "id": request_id,
-        "token_ids": token_ids,
-        "log_probs": log_probs,
-        "finish_reason": finish_reason,
-        "batch_size": batch_size,
-    }
+class AbortRequest(_ToEngine, tag="abort"):
+    id: str
 
 
-def error_event(request_id: str, status: int, message: str) -> dict:
-    return {"kind": KIND_ERROR, "id": request_id, "status": status, "message": message}
+class StatsRequest(_ToEngine, tag="stats"):
+    id: str
 
 
-def queue_full_event(request_id: str, limit: int) -> dict:
-    return error_event(
-        request_id, 503, f"job queue full ({limit} requests waiting; job_queue_size)"
-    )
+class CountResponse(_ToEngine, tag="count_response"):
+    """The front end's HTTP status of a finished request, counted in the engine so every web
+    worker's /metrics agrees. Gets no reply."""
+
+    status: int
 
 
-def stats_event(request_id: str, stats: dict) -> dict:
-    return {"kind": KIND_STATS, "id": request_id, "stats": stats}
+ToEngine = GenerateRequest | AbortRequest | StatsRequest | CountResponse
 
 
-def batch_event(events: list[dict]) -> dict:
-    return {"kind": KIND_BATCH, "events": events}
+# engine -> front end. Events are plain (not frozen): the engine builds many per step.
 
 
-def events_of(message: dict) -> list[dict]:
-    """The events a frame from an engine carries: a batch's, or the frame itself."""
-    if message.get("kind") == KIND_BATCH:
-        events = message.get("events")
-        if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
-            raise ValueError("IPC batch frame without a list of events")
-        return events
-    return [message]
+class _FromEngine(msgspec.Struct, tag_field="kind"):
+    pass
+
+
+class TokenEvent(_FromEngine, tag="token"):
+    """More tokens of a request still running (rolling engine, streamed requests)."""
+
+    id: str
+    token_ids: list[int]
+    log_probs: list[float]
+
+
+class FinalEvent(_FromEngine, tag="final"):
+    """The last event of a request that finished: its last token, or every token when it was
+    not streamed."""
+
+    id: str
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: FinishReason
+    batch_size: int
+
+
+class ErrorEvent(_FromEngine, tag="error"):
+    """The request failed or was refused; nothing else follows for it."""
+
+    id: str
+    status: int  # the HTTP status the front end answers with
+    message: str
+
+
+class StatsEvent(_FromEngine, tag="stats"):
+    id: str
+    stats: dict[str, Any]
+
+
+Event = TokenEvent | FinalEvent | ErrorEvent | StatsEvent
+
+
+class BatchEvent(_FromEngine, tag="batch"):
+    """One step's events for one web worker, sent as one frame."""
+
+    events: list[Event]
+
+
+FromEngine = Event | BatchEvent
+
+
+class MalformedFrame(ValueError):
+    """A frame that is not msgpack, or not a message of the expected direction and types."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_from_engine = msgspec.msgpack.Decoder(FromEngine)
+
+
+def encode(message: ToEngine | FromEngine) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(frame: bytes) -> ToEngine:
+    """A frame the engine received from a front end."""
+    try:
+        return _to_engine.decode(frame)
+    except msgspec.DecodeError as error:
+        raise MalformedFrame(str(error)) from None
+
+
+def decode_events(frame: bytes) -> list[Event]:
+    """The events a frame from an engine carries: a batch's, or the one event it is."""
+    try:
+        message = _from_engine.decode(frame)
+    except msgspec.DecodeError as error:
+        raise MalformedFrame(str(error)) from None
+    return message.events if isinstance(message, BatchEvent) else [message]
+
+
+def request_id_of(frame: bytes) -> str | None:
+    """The "id" of a frame that failed to decode as a request, if it has a readable one: enough
+    to answer its sender with an error instead of leaving it to time out."""
+    try:
+        message = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    request_id = message.get("id") if isinstance(message, dict) else None
+    return request_id if isinstance(request_id, str) else None
+
+
+def queue_full_event(request_id: str, limit: int) -> ErrorEvent:
+    return ErrorEvent(request_id, 503, f"job queue full ({limit} requests waiting; job_queue_size)")
+
+
+# The offline LLM (rolling_batch/llm.py) and its rank 0 (mpi_worker.serve_driver) talk over a
+# socket of their own, within one process tree, in plain maps: not part of this protocol.
 
 
 def pack(message: dict) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+    return msgspec.msgpack.encode(message)
 
 
 def unpack(frame: bytes) -> dict:
-    message = msgpack.unpackb(frame, raw=False)
+    message = msgspec.msgpack.decode(frame)
     if not isinstance(message, dict):
         raise ValueError("IPC frame is not a map")
     return message

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from lmserve.properties.config import ServingConfig
 
-from .protocol import ENGINE_SOCKET, STATE_FILE, STATE_LOADING
+from .protocol import ENGINE_SOCKET, STATE_FILE, EngineState
 
 RUNTIME_FILE = "runtime.json"
 
@@ -51,7 +51,7 @@ class Runtime:
         return cls(**payload)
 
 
-def write_state(runtime: Runtime, state: str, reason: str = "", **details) -> None:
+def write_state(runtime: Runtime, state: EngineState, reason: str = "", **details) -> None:
     record = {"state": state, "reason": reason, "since": time.time(), **details}
     _write_atomically(runtime.state_path, json.dumps(record))
 
@@ -60,7 +60,7 @@ def read_state(runtime: Runtime) -> dict:
     try:
         return json.loads(runtime.state_path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
-        return {"state": STATE_LOADING, "reason": "engine starting"}
+        return {"state": EngineState.LOADING, "reason": "engine starting"}
 
 
 def _write_atomically(path: Path, text: str) -> None:

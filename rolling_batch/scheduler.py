@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .protocol import FinishReason
 from .request import FINISHED, RUNNING, WAITING, Request
 from .step import SequenceChunk
 
@@ -154,13 +155,15 @@ class Scheduler:
                 self.finish(request, reason)
         return produced
 
-    def _finish_reason(self, request: Request, token: int, eos_ids: set[int]) -> str | None:
+    def _finish_reason(
+        self, request: Request, token: int, eos_ids: set[int]
+    ) -> FinishReason | None:
         if token in eos_ids and not request.params.ignore_eos:
-            return "eos_token"
+            return FinishReason.EOS_TOKEN
         if len(request.output_ids) >= request.params.max_new_tokens:
-            return "length"
+            return FinishReason.LENGTH
         if request.num_tokens >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     def fail(self, requests: list[Request]) -> None:

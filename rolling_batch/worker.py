@@ -37,7 +37,9 @@ def main() -> None:
         )
     except Exception as error:
         if rank == 0:
-            write_state(runtime, protocol.STATE_FAILED, f"model failed to load: {error!r}"[:2000])
+            write_state(
+                runtime, protocol.EngineState.FAILED, f"model failed to load: {error!r}"[:2000]
+            )
         raise
     if rank != 0:
         follow(runner, comm)
@@ -64,7 +66,7 @@ def main() -> None:
         runner.num_blocks,
         runner.block_size,
     )
-    write_state(runtime, protocol.STATE_READY, dtype=dtype, device=str(runner.device))
+    write_state(runtime, protocol.EngineState.READY, dtype=dtype, device=str(runner.device))
     engine = RollingEngine(
         StepBroadcaster(runner, comm),
         scheduler,

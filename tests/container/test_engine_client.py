@@ -1,5 +1,6 @@
 """The front end's engine client over a real socket: a frame carrying a step's events for
-several requests reaches each request's queue; a malformed frame is dropped, not fatal; stats
+several requests reaches each request's queue; a malformed frame (not msgpack, wrong types, an
+unknown kind) is dropped, not fatal; stats
 come fresh when the engine answers in time, else the newest the client has (its own periodic
 refresh keeps some), with their age."""
 
@@ -31,39 +32,41 @@ def engine(runtime):
     socket.close(linger=0)
 
 
-def receive(engine) -> tuple[bytes, dict]:
+def receive(engine) -> tuple[bytes, protocol.ToEngine]:
     assert engine.poll(5000), "nothing reached the engine"
     identity, frame = engine.recv_multipart()
-    return identity, protocol.unpack(frame)
+    return identity, protocol.decode_request(frame)
 
 
 def test_batched_events_reach_each_request_and_bad_frames_are_dropped(runtime, engine):
     if True:
         client = EngineClient(runtime)
-        first = client.submit({"op": protocol.OP_STATS, "id": "a"})
-        second = client.submit({"op": protocol.OP_STATS, "id": "b"})
+        first = client.submit(protocol.StatsRequest("a"))
+        second = client.submit(protocol.StatsRequest("b"))
         identity, _ = receive(engine)
-        token = {"kind": protocol.KIND_TOKEN, "token_ids": [1], "log_probs": [-0.5]}
         engine.send_multipart([identity, b"\xc1 not msgpack"])
         engine.send_multipart([identity, protocol.pack({"kind": "batch", "events": 3})])
-        batch = protocol.batch_event(
-            [{**token, "id": "a"}, {**token, "id": "gone"}, {**token, "id": "b"}]
+        bad_token = {"kind": "token", "id": "a", "token_ids": ["x"], "log_probs": []}
+        engine.send_multipart([identity, protocol.pack(bad_token)])
+        engine.send_multipart([identity, protocol.pack({"kind": "teleport", "id": "a"})])
+        batch = protocol.BatchEvent(
+            [protocol.TokenEvent(request_id, [1], [-0.5]) for request_id in ("a", "gone", "b")]
         )
-        engine.send_multipart([identity, protocol.pack(batch)])
-        final = protocol.final_event("a", [2], [-0.1], "length", 2)
-        engine.send_multipart([identity, protocol.pack(final)])
-        assert first.get(timeout=5)["token_ids"] == [1]
-        assert first.get(timeout=5)["kind"] == protocol.KIND_FINAL
-        assert second.get(timeout=5)["id"] == "b"
+        engine.send_multipart([identity, protocol.encode(batch)])
+        final = protocol.FinalEvent("a", [2], [-0.1], protocol.FinishReason.LENGTH, 2)
+        engine.send_multipart([identity, protocol.encode(final)])
+        assert first.get(timeout=5).token_ids == [1]
+        assert isinstance(first.get(timeout=5), protocol.FinalEvent)
+        assert second.get(timeout=5).id == "b"
         assert first.empty() and second.empty()
 
 
 def test_stats_are_fresh_when_the_engine_answers_else_the_newest_known(runtime, engine):
-    write_state(runtime, protocol.STATE_READY)
+    write_state(runtime, protocol.EngineState.READY)
     client = EngineClient(runtime)
     identity, refresh = receive(engine)  # the client's own refresh, sent at once when ready
-    assert refresh["op"] == protocol.OP_STATS
-    engine.send_multipart([identity, protocol.pack(protocol.stats_event(refresh["id"], {"n": 1}))])
+    assert isinstance(refresh, protocol.StatsRequest)
+    engine.send_multipart([identity, protocol.encode(protocol.StatsEvent(refresh.id, {"n": 1}))])
     deadline = time.monotonic() + 5
     while client._latest_stats is None:  # the I/O thread routes the answer
         assert time.monotonic() < deadline
@@ -80,7 +83,7 @@ def test_stats_are_fresh_when_the_engine_answers_else_the_newest_known(runtime, 
 
 def answer_next(engine, stats: dict) -> None:
     identity, message = receive(engine)
-    engine.send_multipart([identity, protocol.pack(protocol.stats_event(message["id"], stats))])
+    engine.send_multipart([identity, protocol.encode(protocol.StatsEvent(message.id, stats))])
 
 
 def test_no_stats_before_the_engine_ever_answered(runtime, engine):

@@ -30,44 +30,43 @@ class FakeEngine:
         self.reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
         self.eos_id = eos_id
         self.behaviour = behaviour
-        self.messages: list[dict] = []
+        self.messages: list[protocol.GenerateRequest] = []
         self.finished: dict[str, list[bool]] = {}  # request id -> abort flags, in order
 
-    def submit(self, message: dict) -> queue.SimpleQueue[dict]:
+    def submit(self, message: protocol.GenerateRequest) -> queue.SimpleQueue[protocol.Event]:
         self.messages.append(message)
-        events: queue.SimpleQueue[dict] = queue.SimpleQueue()
-        request_id = message["id"]
+        events: queue.SimpleQueue[protocol.Event] = queue.SimpleQueue()
+        request_id = message.id
         if self.behaviour == "silent":
             return events
         if self.behaviour == "refuse":
             events.put(protocol.queue_full_event(request_id, 4))
             return events
-        limit = message["params"]["max_new_tokens"]
+        limit = message.params.max_new_tokens
         tokens = (self.reply_ids + [self.eos_id])[:limit]
         reason = "eos_token" if tokens[-1] == self.eos_id else "length"
         log_probs = [-0.5] * len(tokens)
         if self.behaviour == "fail_midway":
             events.put(self._token(request_id, tokens[0]))
-            events.put(protocol.error_event(request_id, 500, "rank 1 died"))
+            events.put(protocol.ErrorEvent(request_id, 500, "rank 1 died"))
             return events
-        if message["stream"]:
+        if message.stream:
             for token in tokens[:-1]:
                 events.put(self._token(request_id, token))
-            events.put(protocol.final_event(request_id, tokens[-1:], log_probs[-1:], reason, 1))
+            events.put(protocol.FinalEvent(request_id, tokens[-1:], log_probs[-1:], reason, 1))
         else:
-            events.put(protocol.final_event(request_id, tokens, log_probs, reason, 1))
+            events.put(protocol.FinalEvent(request_id, tokens, log_probs, reason, 1))
         return events
 
     def finish(self, request_id: str, abort: bool) -> None:
         self.finished.setdefault(request_id, []).append(abort)
 
     @staticmethod
-    def _token(request_id: str, token: int) -> dict:
-        return {"kind": protocol.KIND_TOKEN, "id": request_id, "token_ids": [token],
-                "log_probs": [-0.5]}  # fmt: skip
+    def _token(request_id: str, token: int) -> protocol.TokenEvent:
+        return protocol.TokenEvent(request_id, [token], [-0.5])
 
     def assert_each_finished_once(self) -> None:
-        submitted = [m["id"] for m in self.messages]
+        submitted = [m.id for m in self.messages]
         assert sorted(submitted) == sorted(self.finished)
         assert all(len(flags) == 1 for flags in self.finished.values()), self.finished
 
@@ -107,11 +106,11 @@ def test_text_request_gets_djl_shape_and_prompt_reaches_engine(smollm2_dir, toke
     assert answer.status == 200
     assert answer.json == {"generated_text": REPLY}
     (message,) = engine.messages
-    assert message["prompt_ids"] == tokenizer.encode("The capital of France is")
-    assert message["params"]["max_new_tokens"] == 40
-    assert message["stream"] is False
+    assert message.prompt_ids == tokenizer.encode("The capital of France is")
+    assert message.params.max_new_tokens == 40
+    assert message.stream is False
     engine.assert_each_finished_once()
-    assert engine.finished[message["id"]] == [False]  # ended by the engine: nothing to abort
+    assert engine.finished[message.id] == [False]  # ended by the engine: nothing to abort
 
 
 def test_list_of_inputs_gets_list_of_outputs(smollm2_dir, tokenizer):
@@ -150,7 +149,7 @@ def test_jsonlines_stream_token_by_token(smollm2_dir, tokenizer):
     events = [json.loads(line) for line in stream_lines(answer)]
     assert "".join(e["token"]["text"] for e in events) == REPLY
     assert events[-1]["generated_text"] == REPLY
-    assert engine.messages[0]["stream"] is True
+    assert engine.messages[0].stream is True
     engine.assert_each_finished_once()
 
 
@@ -162,7 +161,7 @@ def test_sse_when_the_client_accepts_it_and_stop_sequence_aborts(smollm2_dir, to
     events = [json.loads(line.removeprefix("data: ")) for line in stream_lines(answer) if line]
     assert events[-1]["generated_text"] == " Paris"
     # The engine would go on generating: the stop sequence ends the request there too.
-    assert engine.finished[engine.messages[0]["id"]] == [True]
+    assert engine.finished[engine.messages[0].id] == [True]
 
 
 def test_chat_completion_with_usage(smollm2_dir, tokenizer):
@@ -172,7 +171,7 @@ def test_chat_completion_with_usage(smollm2_dir, tokenizer):
     assert answer.json["object"] == "chat.completion", answer.json
     assert answer.json["choices"][0]["message"]["content"] == REPLY
     assert answer.json["choices"][0]["finish_reason"] == "stop"
-    prompt_ids = engine.messages[0]["prompt_ids"]
+    prompt_ids = engine.messages[0].prompt_ids
     assert tokenizer.decode(prompt_ids).endswith("Capital of France?\nassistant\n")
     assert answer.json["usage"]["prompt_tokens"] == len(prompt_ids)
 
@@ -226,7 +225,7 @@ def test_silent_engine_times_out_with_424(smollm2_dir, tokenizer):
     answer = call(handler, {"inputs": "Hi"})
     assert answer.status == 424
     assert "option.predict_timeout" in answer.json["error"]
-    assert engine.finished[engine.messages[0]["id"]] == [True]  # the engine is told to drop it
+    assert engine.finished[engine.messages[0].id] == [True]  # the engine is told to drop it
 
 
 def test_failure_after_the_first_token_ends_the_stream_with_an_error_event(smollm2_dir, tokenizer):
@@ -244,4 +243,4 @@ def test_a_client_that_leaves_mid_stream_aborts_the_request(smollm2_dir, tokeniz
     answer = call(handler, {"inputs": "Hi", "stream": True, "parameters": {"max_new_tokens": 40}})
     next(answer.stream)
     answer.stream.close()  # what the WSGI server does when the connection drops
-    assert engine.finished[engine.messages[0]["id"]] == [True]
+    assert engine.finished[engine.messages[0].id] == [True]

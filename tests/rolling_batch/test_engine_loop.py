@@ -1,7 +1,9 @@
 """The rolling engine's loop with a fake model over real ZeroMQ sockets: every request gets its
 tokens and one final event, in one frame per web worker per step (a request that is not
 streamed in its final event alone), each step's time is split into phases for /metrics and
-the log, and a stats request is answered between steps."""
+the log, and a stats request is answered between steps. A malformed request (garbage, a
+generate with wrong types) is dropped with an error answer where its id is readable, and the
+engine goes on serving."""
 
 from __future__ import annotations
 
@@ -57,14 +59,14 @@ def make_engine(router) -> RollingEngine:
     return RollingEngine(fake_execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100)
 
 
-def receive_frames(dealer: zmq.Socket) -> list[list[dict]]:
+def receive_frames(dealer: zmq.Socket) -> list[list[protocol.Event]]:
     frames = []
     while dealer.poll(0):
-        frames.append(protocol.events_of(protocol.unpack(dealer.recv())))
+        frames.append(protocol.decode_events(dealer.recv()))
     return frames
 
 
-def receive_all(dealer: zmq.Socket) -> list[dict]:
+def receive_all(dealer: zmq.Socket) -> list[protocol.Event]:
     return [event for frame in receive_frames(dealer) for event in frame]
 
 
@@ -76,8 +78,8 @@ def run_until_idle(engine: RollingEngine) -> None:
 
 def submit(dealer, request_id: str, prompt: list[int], max_new: int, stream=True) -> None:
     params = GenerationParams(max_new_tokens=max_new, ignore_eos=True)
-    message = protocol.generate_message(request_id, prompt, params, stream=stream)
-    dealer.send(protocol.pack(message))
+    message = protocol.GenerateRequest(request_id, prompt, params, stream=stream)
+    dealer.send(protocol.encode(message))
 
 
 def wait_for_messages(router: zmq.Socket) -> None:
@@ -98,9 +100,9 @@ def test_every_request_gets_its_tokens_and_one_final_event(sockets):
     frames = {dealer: receive_frames(dealer) for dealer in (first, second)}
     for frame in frames[first] + frames[second]:
         for event in frame:
-            tokens.setdefault(event["id"], []).extend(event["token_ids"])
-            if event["kind"] == protocol.KIND_FINAL:
-                finals[event["id"]] = event["finish_reason"]
+            tokens.setdefault(event.id, []).extend(event.token_ids)
+            if isinstance(event, protocol.FinalEvent):
+                finals[event.id] = event.finish_reason
     assert tokens == {"a": [7, 8, 9, 10], "b": [11, 12, 13], "c": [23, 24, 25, 26, 27]}
     assert finals == {"a": "length", "b": "length", "c": "length"}
     # One frame per step for each worker: 4 steps for a and b together, 5 for c.
@@ -118,10 +120,11 @@ def test_a_request_that_is_not_streamed_gets_one_final_event_with_every_token(so
     wait_for_messages(router)
     run_until_idle(engine)
     events = receive_all(dealer)
-    quiet = [e for e in events if e["id"] == "quiet"]
-    assert len(quiet) == 1 and quiet[0]["kind"] == protocol.KIND_FINAL
-    assert quiet[0]["token_ids"] == [7, 8, 9, 10] and len(quiet[0]["log_probs"]) == 4
-    assert [e["kind"] for e in events if e["id"] == "loud"] == ["token", "final"]
+    quiet = [e for e in events if e.id == "quiet"]
+    assert len(quiet) == 1 and isinstance(quiet[0], protocol.FinalEvent)
+    assert quiet[0].token_ids == [7, 8, 9, 10] and len(quiet[0].log_probs) == 4
+    loud = [type(e) for e in events if e.id == "loud"]
+    assert loud == [protocol.TokenEvent, protocol.FinalEvent]
     assert not engine._unstreamed
 
 
@@ -139,11 +142,11 @@ def test_steps_are_profiled_by_phase(sockets):
     phases = stats["step_phase_seconds"]
     assert set(phases) == set(PHASES) and all(seconds >= 0 for seconds in phases.values())
     assert phases["forward"] > 0 and stats["step_seconds"]["sum"] >= phases["forward"]
-    dealer.send(protocol.pack({"op": protocol.OP_STATS, "id": "s"}))
+    dealer.send(protocol.encode(protocol.StatsRequest("s")))
     wait_for_messages(router)
     run_until_idle(engine)
     (answer,) = receive_all(dealer)[-1:]
-    assert answer["kind"] == protocol.KIND_STATS and answer["stats"]["num_steps"] == 6
+    assert isinstance(answer, protocol.StatsEvent) and answer.stats["num_steps"] == 6
 
 
 def test_profile_log_line_comes_once_a_window_is_long_enough(sockets, caplog, monkeypatch):
@@ -183,10 +186,34 @@ def test_a_failing_sampler_fails_the_step_requests_and_the_engine_goes_on(socket
     engine.sampler.sample = lambda *args: 1 / 0
     run_until_idle(engine)
     (error,) = receive_all(dealer)
-    assert error["kind"] == protocol.KIND_ERROR and error["id"] == "a"
+    assert isinstance(error, protocol.ErrorEvent) and error.id == "a"
     engine.sampler.sample = real_sample
     submit(dealer, "b", [1, 2], 3)
     wait_for_messages(router)
     run_until_idle(engine)
-    assert [e["kind"] for e in receive_all(dealer)][-1] == protocol.KIND_FINAL
+    assert isinstance(receive_all(dealer)[-1], protocol.FinalEvent)
+    engine.scheduler.check_invariants()
+
+
+def test_malformed_requests_are_answered_with_errors_and_the_engine_goes_on(sockets, caplog):
+    router, connect = sockets
+    engine = make_engine(router)
+    dealer = connect()
+    params = {"max_new_tokens": 3, "ignore_eos": True}
+    dealer.send(b"\xc1 not msgpack")
+    dealer.send(protocol.pack({"op": "generate", "id": "x", "prompt_ids": ["one"], "params": {}}))
+    dealer.send(protocol.pack({"op": "generate", "id": "y", "prompt_ids": [1], "params": "?"}))
+    dealer.send(protocol.pack({"op": "teleport", "id": "z"}))
+    dealer.send(protocol.pack([1, 2, 3]))
+    dealer.send(protocol.pack({"op": "generate", "id": "ok", "prompt_ids": [1], "params": params}))
+    wait_for_messages(router)
+    with caplog.at_level(logging.ERROR):
+        run_until_idle(engine)
+    events = receive_all(dealer)
+    errors = [e for e in events if isinstance(e, protocol.ErrorEvent)]
+    assert [(e.id, e.status) for e in errors] == [("x", 500), ("y", 500), ("z", 500)]
+    assert "prompt_ids" in errors[0].message  # says what was wrong
+    assert [e.token_ids for e in events if e.id == "ok"] == [[2], [3], [4]]
+    assert isinstance(events[-1], protocol.FinalEvent)
+    assert sum("malformed IPC message" in r.getMessage() for r in caplog.records) == 5
     engine.scheduler.check_invariants()
