@@ -1,8 +1,9 @@
 """Dynamic batching for engine=Python: gather up to `batch_size` requests within
 `max_batch_delay`.
 
-DJL fails a whole batch whose requests differ in parameters; here requests are grouped by
-`GenerationParams.batch_key()` and each group batches on its own. A group is due when it is full
+DJL fails a whole batch whose requests differ in parameters; here requests are grouped by a
+batch key (for generation, `GenerationParams.batch_key()`; a user's handler takes any mix, one
+key) and each group batches on its own. A group is due when it is full
 or its oldest request has waited `max_batch_delay`; among due groups the one holding the oldest
 request runs first, so no group starves. Torch-free.
 """
@@ -10,16 +11,15 @@ request runs first, so no group starves. Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from lmserve.rolling_batch.protocol import GenerationParams
+from typing import Any
 
 
 @dataclass
 class PendingRequest:
     request_id: str
     reply_to: bytes  # ROUTER identity of the front-end socket that asked
-    prompt_ids: list[int]
-    params: GenerationParams
+    message: Any  # what the engine runs: a GenerateRequest, or a HandleRequest
+    batch_key: tuple  # requests with equal keys may share a batch
     arrived_at: float
 
 
@@ -35,7 +35,7 @@ class DynamicBatcher:
         return self.num_queued < self.max_queued
 
     def add(self, request: PendingRequest) -> None:
-        self._groups.setdefault(request.params.batch_key(), []).append(request)
+        self._groups.setdefault(request.batch_key, []).append(request)
         self.num_queued += 1
 
     def remove(self, request_id: str) -> PendingRequest | None:

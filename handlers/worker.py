@@ -1,8 +1,9 @@
 """engine=Python: the engine process. `python -m lmserve.handlers.worker RUNTIME_JSON`.
 
-Loads the model, binds the engine socket, then loops: take requests from the front ends into
-the dynamic batcher, run whichever batch is due, send one final event per request. A failing
-batch is retried request by request so one bad request cannot fail its neighbours.
+Loads the model (or the user's handler), binds the engine socket, then loops: take requests from
+the front ends into the dynamic batcher, run whichever batch is due, answer every request in it.
+What a batch is depends on the work: token ids through HF `generate` (handlers/hf_work.py), or
+raw requests through a model.py's `handle` (handlers/user_handler_work.py).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import argparse
 import logging
 import time
 from collections import Counter
+from pathlib import Path
+from typing import Protocol
 
-import torch
 import zmq
 
 from lmserve.rolling_batch import protocol
@@ -20,24 +22,34 @@ from lmserve.rolling_batch.ipc import drain_router
 from lmserve.rolling_batch.runtime import Runtime, write_state
 
 from .dynamic_batcher import DynamicBatcher, PendingRequest
-from .hf_engine import HFEngine
 
 log = logging.getLogger("lmserve.engine")
 
 _IDLE_POLL_MS = 1000
 
 
+class BatchWork(Protocol):
+    request_type: type  # the request message this work takes
+    num_failed: int
+
+    def batch_key(self, message) -> tuple: ...
+
+    def run(self, batch: list[PendingRequest], send) -> int:
+        """Answers every request of `batch` through `send(identity, event)`; returns how many
+        requests ran in a batch (for the batch-size stats)."""
+        ...
+
+
 class PythonEngineLoop:
-    def __init__(self, runtime: Runtime, engine: HFEngine, socket: zmq.Socket):
+    def __init__(self, runtime: Runtime, work: BatchWork, socket: zmq.Socket):
         config = runtime.config
-        self.engine = engine
+        self.work = work
         self.socket = socket
         self.batcher = DynamicBatcher(
             config.batch_size, config.max_batch_delay / 1000.0, config.job_queue_size
         )
         self.batch_sizes: Counter[int] = Counter()
         self.http_responses: Counter[int] = Counter()  # counted here so all web workers agree
-        self.num_failed = 0
 
     def run_forever(self) -> None:
         poller = zmq.Poller()
@@ -49,19 +61,24 @@ class PythonEngineLoop:
                 drain_router(self.socket, self._handle)
             batch = self.batcher.next_batch(time.monotonic())
             if batch:
-                self._run_batch(batch)
+                self.run_batch(batch)
+
+    def run_batch(self, batch: list[PendingRequest]) -> None:
+        if self.work.run(batch, self._send):
+            self.batch_sizes[len(batch)] += 1
 
     def _handle(self, identity: bytes, message: protocol.ToEngine) -> None:
-        if isinstance(message, protocol.GenerateRequest):
+        if isinstance(message, self.work.request_type):
             if not self.batcher.can_add():
                 limit = self.batcher.max_queued
                 self._send(identity, protocol.queue_full_event(message.id, limit))
                 return
-            self.batcher.add(
-                PendingRequest(
-                    message.id, identity, message.prompt_ids, message.params, time.monotonic()
-                )
-            )
+            key = self.work.batch_key(message)
+            self.batcher.add(PendingRequest(message.id, identity, message, key, time.monotonic()))
+        elif isinstance(message, (protocol.GenerateRequest, protocol.HandleRequest)):
+            # A front end that disagrees with this engine about the handler: answer, never hang.
+            reason = f"this engine takes {self.work.request_type.__name__}s only"
+            self._send(identity, protocol.ErrorEvent(message.id, 500, reason))
         elif isinstance(message, protocol.AbortRequest):
             self.batcher.remove(message.id)
         elif isinstance(message, protocol.CountResponse):
@@ -73,44 +90,64 @@ class PythonEngineLoop:
         return {
             "batch_sizes": {str(size): count for size, count in sorted(self.batch_sizes.items())},
             "num_queued": self.batcher.num_queued,
-            "num_failed": self.num_failed,
+            "num_failed": self.work.num_failed,
             "http_responses": {str(k): v for k, v in self.http_responses.items()},
         }
 
-    def _run_batch(self, batch: list[PendingRequest]) -> None:
-        try:
-            results = self.engine.generate([r.prompt_ids for r in batch], [r.params for r in batch])
-        except Exception as error:  # noqa: BLE001 - any model failure answers, never crashes
-            if len(batch) == 1:
-                self._fail(batch[0], error)
-                return
-            log.warning("batch of %d failed (%s); retrying one by one", len(batch), error)
-            for request in batch:
-                self._run_batch([request])
-            return
-        self.batch_sizes[len(batch)] += 1
-        for request, result in zip(batch, results):
-            self._send(
-                request.reply_to,
-                protocol.FinalEvent(
-                    request.request_id,
-                    result.token_ids,
-                    result.log_probs,
-                    result.finish_reason,
-                    len(batch),
-                ),
-            )
-
-    def _fail(self, request: PendingRequest, error: Exception) -> None:
-        self.num_failed += 1
-        out_of_memory = isinstance(error, (torch.OutOfMemoryError, MemoryError))
-        log.error("request %s failed: %r", request.request_id, error)
-        status = 507 if out_of_memory else 424
-        message = f"{type(error).__name__}: {error}"
-        self._send(request.reply_to, protocol.ErrorEvent(request.request_id, status, message))
-
     def _send(self, identity: bytes, event: protocol.FromEngine) -> None:
         self.socket.send_multipart([identity, protocol.encode(event)])
+
+
+def load_hf_work(runtime: Runtime) -> tuple[BatchWork, dict]:
+    from .hf_engine import HFEngine
+    from .hf_work import HFGenerateWork
+
+    config = runtime.config
+    started = time.monotonic()
+    engine = HFEngine.load(runtime.model_path, config.dtype, config.trust_remote_code)
+    dtype = str(engine.dtype).removeprefix("torch.")
+    log.info(
+        "engine=Python model %s loaded in %.1f s: dtype=%s device=%s",
+        runtime.model_name,
+        time.monotonic() - started,
+        dtype,
+        engine.device,
+    )
+    return HFGenerateWork(engine), {"dtype": dtype, "device": engine.device}
+
+
+def load_user_handler_work(runtime: Runtime, entry_point: str) -> tuple[BatchWork, dict]:
+    """The model.py's module, and DJL's load-time `handle` call with the model's options."""
+    from .custom_service import UserHandlerService
+    from .user_code import EntryPoint, load
+    from .user_handler_work import UserHandlerWork
+
+    model_dir = Path(runtime.model_path)
+    is_file = entry_point.endswith(".py")
+    entry = EntryPoint(
+        entry_point,
+        path=Path(entry_point) if is_file else None,
+        module=None if is_file else entry_point,
+    )
+    started = time.monotonic()
+    service = UserHandlerService(load(entry, model_dir), entry_point)
+    service.initialize(handler_properties(runtime))
+    log.info("engine=Python handler %s loaded in %.1f s", entry_point, time.monotonic() - started)
+    return UserHandlerWork(service), {"handler": entry_point}
+
+
+def handler_properties(runtime: Runtime) -> dict[str, str]:
+    """What DJL's load-time Input carries: the options (unknown option.* keys included: they
+    are kept for custom handlers) and the model directory."""
+    config = runtime.config.to_dict()
+    properties = {
+        key: str(value)
+        for key, value in config.items()
+        if value is not None and not isinstance(value, dict)
+    }
+    properties.update(runtime.config.extra_options)
+    properties["model_dir"] = runtime.model_path
+    return properties
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,33 +157,26 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     runtime = Runtime.read(args.runtime)
     config = runtime.config
-    started = time.monotonic()
     try:
-        engine = HFEngine.load(runtime.model_path, config.dtype, config.trust_remote_code)
+        if runtime.entry_point is None:
+            work, details = load_hf_work(runtime)
+        else:
+            work, details = load_user_handler_work(runtime, runtime.entry_point)
     except Exception as error:
-        # /ping and the supervisor show why, not just an exit code.
+        # /ping and the supervisor show why, not just an exit code; the traceback goes to the log.
+        log.exception("the model failed to load")
         write_state(runtime, protocol.EngineState.FAILED, f"model failed to load: {error!r}"[:2000])
-        raise
+        raise SystemExit(1) from None
     log.info(
-        "engine=Python model %s loaded in %.1f s: dtype=%s device=%s batch_size=%d"
-        " max_batch_delay=%d ms job_queue_size=%d",
-        runtime.model_name,
-        time.monotonic() - started,
-        str(engine.dtype).removeprefix("torch."),
-        engine.device,
+        "batch_size=%d max_batch_delay=%d ms job_queue_size=%d",
         config.batch_size,
         config.max_batch_delay,
         config.job_queue_size,
     )
     socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.bind(runtime.engine_address)
-    write_state(
-        runtime,
-        protocol.EngineState.READY,
-        dtype=str(engine.dtype).removeprefix("torch."),
-        device=engine.device,
-    )
-    PythonEngineLoop(runtime, engine, socket).run_forever()
+    write_state(runtime, protocol.EngineState.READY, **details)
+    PythonEngineLoop(runtime, work, socket).run_forever()
 
 
 if __name__ == "__main__":

@@ -176,6 +176,10 @@ class RollingEngine:
             self._send(identity, protocol.StatsEvent(message.id, self.snapshot()))
         elif isinstance(message, protocol.CountResponse):
             self.stats.http_responses[message.status] += 1
+        elif isinstance(message, protocol.HandleRequest):
+            # A user's handle() runs with engine=Python; answer a front end that thinks otherwise.
+            reason = "the rolling-batch engine serves the LLM handler, not a model.py handle()"
+            self._send(identity, protocol.ErrorEvent(message.id, 500, reason))
 
     def _admit(self, identity: bytes, message: protocol.GenerateRequest) -> None:
         needed = len(message.prompt_ids) + message.params.max_new_tokens

@@ -101,7 +101,16 @@ class CountResponse(_ToEngine, tag="count_response"):
     status: int
 
 
-ToEngine = GenerateRequest | AbortRequest | StatsRequest | CountResponse
+class HandleRequest(_ToEngine, tag="handle"):
+    """An HTTP request as it came, for a user's `handle(inputs)` in the engine process
+    (engine=Python with a model.py): the body and the headers, content-type among them."""
+
+    id: str
+    body: bytes
+    headers: dict[str, str]
+
+
+ToEngine = GenerateRequest | AbortRequest | StatsRequest | CountResponse | HandleRequest
 
 
 # engine -> front end. Events are plain (not frozen): the engine builds many per step.
@@ -143,7 +152,26 @@ class StatsEvent(_FromEngine, tag="stats"):
     stats: dict[str, Any]
 
 
-Event = TokenEvent | FinalEvent | ErrorEvent | StatsEvent
+class ReplyEvent(_FromEngine, tag="reply"):
+    """A user handler's answer: its status and headers, and the whole body; or, when
+    `streaming`, the body's first piece and ChunkEvents after it until one says `last`."""
+
+    id: str
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    streaming: bool = False
+
+
+class ChunkEvent(_FromEngine, tag="chunk"):
+    """The next piece of a streamed ReplyEvent's body."""
+
+    id: str
+    data: bytes
+    last: bool = False
+
+
+Event = TokenEvent | FinalEvent | ErrorEvent | StatsEvent | ReplyEvent | ChunkEvent
 
 
 class BatchEvent(_FromEngine, tag="batch"):

@@ -20,9 +20,12 @@ RUNTIME_FILE = "runtime.json"
 class Runtime:
     config: ServingConfig
     model_name: str
-    model_path: str  # a local HF directory
+    model_path: str  # a local HF directory; with a user's handler, the model dir as it is
     model_source: str  # where it came from, for logs and /models
     ipc_dir: str
+    # The user's handler (engine=Python): a .py file's path or a dotted module name; None when
+    # lmserve's LLM handler serves.
+    entry_point: str | None = None
 
     @property
     def engine_address(self) -> str:
@@ -40,6 +43,7 @@ class Runtime:
             "model_path": self.model_path,
             "model_source": self.model_source,
             "ipc_dir": self.ipc_dir,
+            "entry_point": self.entry_point,
         }
         _write_atomically(path, json.dumps(payload))
         return path

@@ -11,7 +11,7 @@ SAMPLED = GenerationParams(do_sample=True, temperature=0.7, seed=1)
 
 
 def request(request_id: str, at: float, params: GenerationParams = GREEDY) -> PendingRequest:
-    return PendingRequest(request_id, b"client", [1, 2, 3], params, at)
+    return PendingRequest(request_id, b"client", None, params.batch_key(), at)
 
 
 def ids(batch: list[PendingRequest]) -> list[str]:

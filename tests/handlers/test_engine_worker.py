@@ -1,16 +1,25 @@
-"""The engine=Python loop over a real ZeroMQ socket, with a scripted model: a malformed request
-from a front end (not msgpack, a generate with wrong types, an unknown op) is answered with an
-error where its id is readable and never stops the engine, which goes on answering well-formed
-requests with one final event each."""
+"""The engine=Python loop over a real ZeroMQ socket, with a scripted model or a real model.py
+handler: a malformed request from a front end (not msgpack, a generate with wrong types, an
+unknown op) is answered with an error where its id is readable and never stops the engine; a
+user's handler answers raw requests whole or streamed, a raising handler fails its request with
+424, and a request for the other kind of work is answered, not left hanging."""
 
 from __future__ import annotations
 
+import sys
+import textwrap
 import time
 import uuid
+from contextlib import contextmanager
 
+import pytest
 import zmq
 
+from lmserve.handlers.custom_service import UserHandlerService
 from lmserve.handlers.hf_engine import Generation
+from lmserve.handlers.hf_work import HFGenerateWork
+from lmserve.handlers.user_code import find_entry_point, load
+from lmserve.handlers.user_handler_work import UserHandlerWork
 from lmserve.handlers.worker import PythonEngineLoop
 from lmserve.properties.config import load_config
 from lmserve.rolling_batch import protocol
@@ -28,8 +37,10 @@ class ScriptedModel:
         ]
 
 
-def test_malformed_requests_are_answered_with_errors_and_the_engine_goes_on(tmp_path):
-    config = load_config(None, environ={}).config
+@contextmanager
+def engine(tmp_path, work, **env):
+    """(the loop, a front end's DEALER socket connected to it)."""
+    config = load_config(None, environ=env).config
     runtime = Runtime(config, "m", str(tmp_path), "test", str(tmp_path))
     context = zmq.Context.instance()
     address = f"inproc://python-engine-{uuid.uuid4().hex}"
@@ -37,28 +48,102 @@ def test_malformed_requests_are_answered_with_errors_and_the_engine_goes_on(tmp_
     router.bind(address)
     dealer.connect(address)
     try:
-        loop = PythonEngineLoop(runtime, ScriptedModel(), router)
-        dealer.send(b"\xc1 not msgpack")
-        bad = {"op": "generate", "id": "x", "prompt_ids": [1], "params": {"max_new_tokens": "2"}}
-        dealer.send(protocol.pack(bad))
-        dealer.send(protocol.pack({"op": "teleport", "id": "z"}))
-        good = protocol.GenerateRequest("ok", [7], protocol.GenerationParams(max_new_tokens=2))
-        dealer.send(protocol.encode(good))
-        assert router.poll(2000)
-        time.sleep(0.05)  # every frame sent is waiting on the socket
-        drain_router(router, loop._handle)
-        for batch in iter(lambda: loop.batcher.next_batch(time.monotonic() + 60), []):
-            loop._run_batch(batch)
-        events = []
-        while dealer.poll(1000):
-            events += protocol.decode_events(dealer.recv())
-            if isinstance(events[-1], protocol.FinalEvent):
-                break
+        yield PythonEngineLoop(runtime, work, router), dealer
     finally:
         router.close(linger=0)
         dealer.close(linger=0)
+
+
+def exchange(loop, dealer, frames: list[bytes], expected_events: int) -> list:
+    """Sends `frames`, runs every batch they make, returns the events the front end got."""
+    for frame in frames:
+        dealer.send(frame)
+    assert loop.socket.poll(2000)
+    time.sleep(0.05)  # every frame sent is waiting on the socket
+    drain_router(loop.socket, loop._handle)
+    for batch in iter(lambda: loop.batcher.next_batch(time.monotonic() + 60), []):
+        loop.run_batch(batch)
+    events = []
+    while len(events) < expected_events and dealer.poll(1000):
+        events += protocol.decode_events(dealer.recv())
+    return events
+
+
+def test_malformed_requests_are_answered_with_errors_and_the_engine_goes_on(tmp_path):
+    with engine(tmp_path, HFGenerateWork(ScriptedModel())) as (loop, dealer):
+        bad = {"op": "generate", "id": "x", "prompt_ids": [1], "params": {"max_new_tokens": "2"}}
+        good = protocol.GenerateRequest("ok", [7], protocol.GenerationParams(max_new_tokens=2))
+        frames = [
+            b"\xc1 not msgpack",
+            protocol.pack(bad),
+            protocol.pack({"op": "teleport", "id": "z"}),
+            protocol.encode(good),
+        ]
+        events = exchange(loop, dealer, frames, expected_events=3)
     errors = [(e.id, e.status) for e in events if isinstance(e, protocol.ErrorEvent)]
     assert errors == [("x", 500), ("z", 500)]
     assert "max_new_tokens" in events[0].message  # says what was wrong
     (final,) = [e for e in events if e.id == "ok"]
     assert final.token_ids == [8, 8] and final.finish_reason == protocol.FinishReason.LENGTH
+
+
+HANDLER = """
+from djl_python import Input, Output
+
+def handle(inputs: Input):
+    if inputs.is_empty():
+        return None
+    outputs = Output()
+    for index, item in enumerate(inputs.get_batches()):
+        text = item.get_as_string()
+        if text == "boom":
+            raise RuntimeError("the handler blew up")
+        if text == "stream":
+            outputs.add_stream_content(iter(["a", "b", "c"]))
+            return outputs
+        outputs.add(text.upper(), batch_index=index)
+    return outputs
+"""
+
+
+@pytest.fixture
+def handler_work(tmp_path):
+    (tmp_path / "model.py").write_text(textwrap.dedent(HANDLER))
+    entry = find_entry_point(None, tmp_path)
+    yield UserHandlerWork(UserHandlerService(load(entry, tmp_path), entry.name))
+    sys.modules.pop("model", None)
+
+
+def handle_request(request_id: str, text: str) -> bytes:
+    return protocol.encode(protocol.HandleRequest(request_id, text.encode(), {}))
+
+
+def test_user_handler_batches_raw_requests_and_answers_each(tmp_path, handler_work):
+    env = {"SERVING_BATCH_SIZE": "2", "SERVING_MAX_BATCH_DELAY": "10000"}
+    with engine(tmp_path, handler_work, **env) as (loop, dealer):
+        frames = [handle_request("a", "one"), handle_request("b", "two")]
+        events = exchange(loop, dealer, frames, expected_events=2)
+    assert [(e.id, e.status, e.body) for e in events] == [("a", 200, b"ONE"), ("b", 200, b"TWO")]
+    assert loop.batch_sizes == {2: 1}
+
+
+def test_user_handler_stream_and_errors(tmp_path, handler_work):
+    generate = protocol.GenerateRequest("g", [1], protocol.GenerationParams())
+    with engine(tmp_path, handler_work) as (loop, dealer):
+        frames = [
+            handle_request("s", "stream"),
+            handle_request("x", "boom"),
+            protocol.encode(generate),
+        ]
+        events = exchange(loop, dealer, frames, expected_events=7)
+    by_id = {}
+    for event in events:
+        by_id.setdefault(event.id, []).append(event)
+    reply, *chunks = by_id["s"]
+    assert isinstance(reply, protocol.ReplyEvent) and reply.streaming
+    assert [c.data for c in chunks] == [b"a", b"b", b"c", b""] and chunks[-1].last
+    (failed,) = by_id["x"]
+    assert (failed.status, failed.message) == (424, "RuntimeError: the handler blew up")
+    (refused,) = by_id["g"]
+    assert refused.status == 500 and "HandleRequest" in refused.message
+    assert loop.work.num_failed == 1

@@ -1,0 +1,65 @@
+"""engine=Python's built-in work: batches of token ids through HF transformers' `generate`.
+
+Requests batch by their generation parameters. A failing batch is retried request by request,
+so one bad request cannot fail its neighbours; a request that fails alone gets 424 (507 when
+out of memory)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from lmserve.rolling_batch import protocol
+
+from .dynamic_batcher import PendingRequest
+from .hf_engine import HFEngine
+
+log = logging.getLogger("lmserve.engine")
+
+Send = Callable[[bytes, protocol.FromEngine], None]
+
+
+class HFGenerateWork:
+    request_type = protocol.GenerateRequest
+
+    def __init__(self, engine: HFEngine):
+        self.engine = engine
+        self.num_failed = 0
+
+    def batch_key(self, message: protocol.GenerateRequest) -> tuple:
+        return message.params.batch_key()
+
+    def run(self, batch: list[PendingRequest], send: Send) -> int:
+        """Answers every request of `batch`; the sizes of the batches that ran, summed."""
+        try:
+            results = self.engine.generate(
+                [r.message.prompt_ids for r in batch], [r.message.params for r in batch]
+            )
+        except Exception as error:  # noqa: BLE001 - any model failure answers, never crashes
+            if len(batch) == 1:
+                self._fail(batch[0], error, send)
+                return 0
+            log.warning("batch of %d failed (%s); retrying one by one", len(batch), error)
+            return sum(self.run([request], send) for request in batch)
+        for request, result in zip(batch, results):
+            final = protocol.FinalEvent(
+                request.request_id,
+                result.token_ids,
+                result.log_probs,
+                result.finish_reason,
+                len(batch),
+            )
+            send(request.reply_to, final)
+        return len(batch)
+
+    def _fail(self, request: PendingRequest, error: Exception, send: Send) -> None:
+        self.num_failed += 1
+        out_of_memory = isinstance(error, (torch.OutOfMemoryError, MemoryError))
+        log.error("request %s failed: %r", request.request_id, error)
+        status = 507 if out_of_memory else 424
+        send(
+            request.reply_to,
+            protocol.ErrorEvent(request.request_id, status, f"{type(error).__name__}: {error}"),
+        )
