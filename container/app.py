@@ -13,7 +13,8 @@ import uuid
 from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from lmserve.handlers.interface import HandlerRequest, HandlerResponse, Route
+from lmserve.handlers.forwarding_handler import ForwardingHandler
+from lmserve.handlers.interface import Handler, HandlerRequest, HandlerResponse, Route
 from lmserve.handlers.llm_handler import LLMHandler
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
@@ -32,7 +33,12 @@ _INFERENCE_ROUTES = ("invocations", "predictions", "chat_completions")
 def create_app(runtime_path: str) -> Flask:
     runtime = Runtime.read(runtime_path)
     client = EngineClient(runtime)
-    handler = LLMHandler(runtime, client)
+    # A user's handle() runs in the engine process; lmserve's LLM handler runs here.
+    handler: Handler = (
+        LLMHandler(runtime, client)
+        if runtime.entry_point is None
+        else ForwardingHandler(runtime, client)
+    )
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = runtime.config.max_request_size
     name = runtime.model_name

@@ -30,9 +30,7 @@ class LLMHandler:
         except BadRequest as error:
             return HandlerResponse.error(error.status, str(error), field=error.field)
         except PredictionError as error:
-            if error.status == 424:  # DJL's status and body for a failed prediction
-                return HandlerResponse.error(424, "prediction failure", error=error.message)
-            return HandlerResponse.error(error.status, error.message)
+            return error.response()
 
     def _answer(self, request: HandlerRequest) -> HandlerResponse:
         payload = load_payload(request.body, request.content_type)

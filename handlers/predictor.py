@@ -16,7 +16,7 @@ from lmserve.rolling_batch.runtime import Runtime
 
 from .chat import ChatRequest, ChatResponder, ChatTemplate
 from .detokenizer import IncrementalDetokenizer
-from .interface import EngineConnection
+from .interface import EngineConnection, HandlerResponse
 from .outputs import Completion, complete, shape_response, to_json
 from .request_parsing import BadRequest, TextRequest
 from .stream_format import StreamFormat
@@ -27,6 +27,11 @@ from .tokenizer import Tokenizer
 class PredictionError(Exception):
     status: int
     message: str
+
+    def response(self) -> HandlerResponse:
+        if self.status == 424:  # DJL's status and body for a failed prediction
+            return HandlerResponse.error(424, "prediction failure", error=self.message)
+        return HandlerResponse.error(self.status, self.message)
 
 
 @dataclass
@@ -214,14 +219,18 @@ class Predictor:
         return time.monotonic() + self.runtime.config.predict_timeout
 
     def _next_event(self, events: queue.SimpleQueue, deadline: float) -> protocol.Event:
-        try:
-            event = events.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise PredictionError(
-                424,
-                f"prediction timed out after {self.runtime.config.predict_timeout} s"
-                " (option.predict_timeout)",
-            ) from None
-        if isinstance(event, protocol.ErrorEvent):
-            raise PredictionError(event.status, event.message)
-        return event
+        return next_event(events, deadline, self.runtime.config.predict_timeout)
+
+
+def next_event(events: queue.SimpleQueue, deadline: float, timeout_s: float) -> protocol.Event:
+    """The engine's next event for a request; PredictionError for an error event, or when
+    none came by `deadline` (the request's option.predict_timeout, `timeout_s`)."""
+    try:
+        event = events.get(timeout=max(0.0, deadline - time.monotonic()))
+    except queue.Empty:
+        raise PredictionError(
+            424, f"prediction timed out after {timeout_s} s (option.predict_timeout)"
+        ) from None
+    if isinstance(event, protocol.ErrorEvent):
+        raise PredictionError(event.status, event.message)
+    return event
