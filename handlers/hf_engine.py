@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from lmserve.rolling_batch.eos_tokens import eos_token_ids
 from lmserve.rolling_batch.model_loader import resolve_dtype
 from lmserve.rolling_batch.protocol import GenerationParams
 
@@ -26,14 +27,12 @@ class Generation:
 
 
 class HFEngine:
-    def __init__(self, model, device: str):
+    def __init__(self, model, device: str, eos_token_ids: set[int]):
         self.model = model
         self.device = device
         self.dtype = model.dtype
-        config = model.generation_config
-        eos = config.eos_token_id if config.eos_token_id is not None else []
-        self.eos_token_ids = {eos} if isinstance(eos, int) else set(eos)
-        pad = config.pad_token_id
+        self.eos_token_ids = eos_token_ids
+        pad = model.generation_config.pad_token_id
         self.pad_token_id = pad if pad is not None else min(self.eos_token_ids, default=0)
 
     @classmethod
@@ -44,7 +43,7 @@ class HFEngine:
         )
         torch_dtype = resolve_dtype(dtype, model.dtype, device)
         model = model.to(device=device, dtype=torch_dtype).eval()
-        return cls(model, device)
+        return cls(model, device, eos_token_ids(model_path, trust_remote_code=trust_remote_code))
 
     @torch.inference_mode()
     def generate(

@@ -26,8 +26,8 @@ from lmserve.properties.config import default_cache_dir
 
 from . import protocol
 from .engine_setup import RuntimeOptions, build_runner
+from .eos_tokens import eos_token_ids
 from .layers.parallel import TensorParallelGroup
-from .model_loader import eos_token_ids
 from .model_source import local_model_path
 from .mpi_launch import engine_environment, rank_command
 from .offline_generation import generate_greedy
@@ -64,10 +64,7 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(
             self.model_path, trust_remote_code=trust_remote_code
         )
-        fallback = self.tokenizer.eos_token_id
-        self.eos_token_ids = eos_token_ids(self.model_path) or (
-            {fallback} if fallback is not None else set()
-        )
+        self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
         options = RuntimeOptions(
             dtype=dtype,
             max_model_len=max_model_len,

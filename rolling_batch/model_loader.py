@@ -43,19 +43,6 @@ def load_hf_config(model_path: str | Path, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
 
 
-def eos_token_ids(model_path: str | Path) -> set[int]:
-    """The ids that end generation, from the model's generation_config.json (empty if none)."""
-    from transformers import GenerationConfig
-
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:
-        return set()
-    if eos is None:
-        return set()
-    return {eos} if isinstance(eos, int) else set(eos)
-
-
 def iter_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 

@@ -13,7 +13,7 @@ from . import protocol
 from .block_manager import BlockManager
 from .engine_loop import RollingEngine
 from .engine_setup import RuntimeOptions, build_runner
-from .model_loader import eos_token_ids
+from .eos_tokens import eos_token_ids
 from .mpi_worker import StepBroadcaster, follow, make_group
 from .runtime import Runtime, write_state
 from .sampler import Sampler
@@ -50,6 +50,8 @@ def main() -> None:
         max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
         max_model_len=max_model_len,
     )
+    # Before the ready state: a tokenizer that fails to load here must fail start-up.
+    eos = eos_token_ids(runtime.model_path, trust_remote_code=config.trust_remote_code)
     socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.bind(runtime.engine_address)
     dtype = str(next(runner.model.parameters()).dtype).removeprefix("torch.")
@@ -72,7 +74,7 @@ def main() -> None:
         scheduler,
         Sampler(runner.device),
         socket,
-        eos_token_ids(runtime.model_path),
+        eos,
         max_waiting=config.job_queue_size,
         world_size=comm.Get_size(),
     )
