@@ -42,6 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     properties = {
         "engine": "Python",
+        "option.rolling_batch": "disable",
         "batch_size": args.batch_size,
         "max_batch_delay": args.max_batch_delay,
         "option.dtype": args.dtype,

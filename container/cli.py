@@ -40,11 +40,17 @@ def count_gpus() -> int:
 def _load(model_dir: Path | None) -> ResolvedConfig:
     gpus = count_gpus()
     if gpus:
-        return load_config(model_dir, os.environ, num_devices=gpus)
-    # CPU: ranks are bounded by cores (one rank per core); "max" means the one CPU device.
-    return load_config(
-        model_dir, os.environ, num_devices=os.cpu_count() or 1, max_tensor_parallel=1
-    )
+        resolved = load_config(model_dir, os.environ, num_devices=gpus)
+    else:
+        # CPU: ranks are bounded by cores (one rank per core); "max" means the one CPU device.
+        resolved = load_config(
+            model_dir, os.environ, num_devices=os.cpu_count() or 1, max_tensor_parallel=1
+        )
+    if resolved.engine_line is not None:
+        log.info("%s", resolved.engine_line)
+    for ignored in resolved.ignored:
+        log.warning("%s", ignored)
+    return resolved
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -15,8 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .engine_choice import DYNAMIC_BATCHING, choose_engine, ignored_keys
 from .javaprops import PropertiesSyntaxError, parse_properties
-from .settings import INFERRED, SETTINGS, SETTINGS_BY_KEY, normalized
+from .settings import SETTINGS, SETTINGS_BY_KEY, normalized
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class ServingConfig:
     task: str
     tensor_parallel_degree: int
     rolling_batch: str
+    mpi_mode: bool
     max_rolling_batch_size: int
     max_rolling_batch_prefill_tokens: int
     paged_attention: bool
@@ -91,6 +93,10 @@ class ServingConfig:
 class ResolvedConfig:
     config: ServingConfig
     sources: dict[str, str]  # serving.properties key -> "file line 3" | "env X" | "default" ...
+    # For the start-up log: which engine serves and why (None where the config said it
+    # plainly), and the keys the chosen engine never reads.
+    engine_line: str | None = None
+    ignored: tuple[str, ...] = ()
 
 
 def load_config(
@@ -135,11 +141,16 @@ def load_config(
             values.setdefault(setting.field, setting.default)
             sources[setting.key] = "default"
     _resolve_max_devices(values, max_tensor_parallel or num_devices)
-    _infer(values, sources)
+    engine_line = choose_engine(values, sources)
     problems += _cross_field_problems(values, num_devices)
     if problems:
         raise ConfigError(problems)
-    return ResolvedConfig(ServingConfig(**values, extra_options=extra_options), sources)
+    return ResolvedConfig(
+        ServingConfig(**values, extra_options=extra_options),
+        sources,
+        engine_line,
+        tuple(ignored_keys(values, sources)),
+    )
 
 
 def _read_file(model_dir: str | os.PathLike | None) -> dict[str, tuple[str, str]]:
@@ -185,21 +196,6 @@ def _key_for_env_name(name: str, known_by_normalized: dict[str, str]) -> str | N
     return None
 
 
-def _infer(values: dict[str, Any], sources: dict[str, str]) -> None:
-    """engine and rolling_batch decide each other when only one is given (DJL's behaviour):
-    asking for a rolling batch or for more than one rank means engine=MPI."""
-    if values["engine"] is INFERRED:
-        wants_mpi = (
-            values["rolling_batch"] not in (INFERRED, "disable")
-            or values["tensor_parallel_degree"] > 1
-        )
-        values["engine"] = "MPI" if wants_mpi else "Python"
-        sources["engine"] = "inferred"
-    if values["rolling_batch"] is INFERRED:
-        values["rolling_batch"] = "auto" if values["engine"] == "MPI" else "disable"
-        sources["option.rolling_batch"] = "inferred from engine"
-
-
 def _resolve_max_devices(values: dict[str, Any], max_degree: int | None) -> None:
     if values["tensor_parallel_degree"] == "max":
         values["tensor_parallel_degree"] = max_degree or 1
@@ -213,23 +209,25 @@ def _cross_field_problems(values: dict[str, Any], num_devices: int | None) -> li
             f"option.tensor_parallel_degree={tp}: only {num_devices} device(s) here;"
             f' expected an integer <= {num_devices} or "max"'
         )
-    if values["engine"] == "Python":
-        if values["rolling_batch"] != "disable":
-            problems.append(
-                f"option.rolling_batch={values['rolling_batch']!r} with engine=Python:"
-                " rolling batch needs engine=MPI; expected disable, or set engine=MPI"
-            )
-        if isinstance(tp, int) and tp > 1:
-            problems.append(
-                f"option.tensor_parallel_degree={tp} with engine=Python:"
-                " tensor parallelism needs engine=MPI; expected 1, or set engine=MPI"
-            )
-    elif values["rolling_batch"] == "disable":
+    # choose_engine made engine=Python mean dynamic batching and engine=MPI the rolling batch.
+    dynamic = values["rolling_batch"] == DYNAMIC_BATCHING
+    if dynamic and values["engine"] == "MPI":
         problems.append(
             "option.rolling_batch='disable' with engine=MPI: the MPI engine always rolls;"
-            " expected auto, scheduler, lmi-dist or vllm"
+            " expected auto, scheduler, lmi-dist or vllm (or engine=Python for dynamic batching)"
         )
-    if values["batch_size"] > 1 and values["rolling_batch"] != "disable":
+    elif dynamic and values["mpi_mode"]:
+        problems.append(
+            "option.mpi_mode=true with option.rolling_batch='disable': MPI ranks run the rolling"
+            " batch; expected option.rolling_batch=auto, or option.mpi_mode=false"
+        )
+    elif dynamic and isinstance(tp, int) and tp > 1:
+        problems.append(
+            f"option.tensor_parallel_degree={tp} with option.rolling_batch='disable':"
+            " tensor parallelism needs the rolling batch over MPI ranks; expected 1, or"
+            " option.rolling_batch=auto"
+        )
+    if values["batch_size"] > 1 and not dynamic:
         problems.append(
             f"batch_size={values['batch_size']} with option.rolling_batch="
             f"{values['rolling_batch']!r}: dynamic batching and rolling batch exclude each other;"

@@ -133,6 +133,8 @@ SETTINGS: tuple[Setting, ...] = (
         choice("auto", *ROLLING_BATCH_ALIASES, "disable"),
         INFERRED,
     ),
+    # DJL's switch for MPI ranks; true asks for the rolling batch even with engine=Python.
+    Setting("option.mpi_mode", "mpi_mode", boolean, False),
     Setting(
         "option.max_rolling_batch_size",
         "max_rolling_batch_size",

@@ -20,7 +20,10 @@ def serve(folder, s3_server, cache):
 def test_serves_a_model_from_s3(s3, s3_server, tiny_model_dir, tmp_path):
     s3.create_bucket(Bucket="bucket")
     uploaded = upload_folder(s3, tiny_model_dir, "bucket", "models/tiny")
-    folder = write_properties(tmp_path / "model", {"engine": "Python", "option.model_id": URL})
+    folder = write_properties(
+        tmp_path / "model",
+        {"engine": "Python", "option.rolling_batch": "disable", "option.model_id": URL},
+    )
     cache = tmp_path / "cache"
 
     server = serve(folder, s3_server, cache)
@@ -57,7 +60,10 @@ def test_serves_a_model_from_s3(s3, s3_server, tiny_model_dir, tmp_path):
 
 def test_missing_s3_model_stops_start_up_with_a_message(s3, s3_server, tmp_path):
     s3.create_bucket(Bucket="bucket")
-    folder = write_properties(tmp_path / "model", {"engine": "Python", "option.model_id": URL})
+    folder = write_properties(
+        tmp_path / "model",
+        {"engine": "Python", "option.rolling_batch": "disable", "option.model_id": URL},
+    )
 
     server = serve(folder, s3_server, tmp_path / "cache")
     code = server.process.wait(timeout=60)

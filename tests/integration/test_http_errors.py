@@ -21,6 +21,7 @@ def server(tiny_model_dir, tmp_path_factory):
         tmp_path_factory.mktemp("tiny-errors"),
         {
             "engine": "Python",
+            "option.rolling_batch": "disable",
             "batch_size": 2,
             "max_batch_delay": 20,
             "job_queue_size": 2,

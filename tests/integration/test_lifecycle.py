@@ -21,7 +21,12 @@ from ..servers import Server, command_line, write_properties
 
 
 def tiny_folder(tmp_path, tiny_model_dir, **extra):
-    properties = {"engine": "Python", "option.model_id": tiny_model_dir, **extra}
+    properties = {
+        "engine": "Python",
+        "option.rolling_batch": "disable",
+        "option.model_id": tiny_model_dir,
+        **extra,
+    }
     return write_properties(tmp_path / "model", properties)
 
 

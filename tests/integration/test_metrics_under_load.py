@@ -47,7 +47,12 @@ def stream_one(server: Server, index: int, started: threading.Event) -> int:
     "properties",
     [
         {"engine": "MPI", "option.max_rolling_batch_size": 8},
-        {"engine": "Python", "batch_size": 8, "max_batch_delay": 100},
+        {
+            "engine": "Python",
+            "option.rolling_batch": "disable",
+            "batch_size": 8,
+            "max_batch_delay": 100,
+        },
     ],
     ids=["rolling", "python"],
 )

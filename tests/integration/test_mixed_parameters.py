@@ -19,6 +19,7 @@ def test_mixed_parameters_share_the_server_without_failing(tmp_path, tiny_model_
         tmp_path / "model",
         {
             "engine": "Python",
+            "option.rolling_batch": "disable",
             "batch_size": 4,
             "max_batch_delay": 300,
             "option.dtype": "fp32",

@@ -1,7 +1,9 @@
 """engine=MPI end to end: `lmserve serve` with two real MPI ranks (tensor parallel) serving
 SmolLM2 with rolling batching. 24 concurrent greedy requests of different prompt lengths and
 max_new_tokens each equal HF's greedy output; the same with paged attention off and with a
-block pool small enough to force preemption."""
+block pool small enough to force preemption. Two of the three start from the LMI guides' starter
+configs (engine=Python with option.rolling_batch=scheduler or vllm), which lmserve serves with
+the same rolling batch over MPI ranks."""
 
 from __future__ import annotations
 
@@ -80,11 +82,16 @@ def check_answers(responses, workload):
     "variant",
     [
         {},
-        {"option.paged_attention": "false"},
-        # 24 blocks of 16 tokens: far less than 8 running requests need.
-        {"option.num_kv_blocks": 24},
+        # The Accelerate guide's starter config.
+        {
+            "engine": "Python",
+            "option.rolling_batch": "scheduler",
+            "option.paged_attention": "false",
+        },
+        # The vLLM guide's; 24 blocks of 16 tokens: far less than 8 running requests need.
+        {"engine": "Python", "option.rolling_batch": "vllm", "option.num_kv_blocks": 24},
     ],
-    ids=["paged", "contiguous", "preempting"],
+    ids=["paged", "contiguous-accelerate-starter", "preempting-vllm-starter"],
 )
 def test_concurrent_greedy_requests_match_hf(tmp_path, workload, variant):
     server = serve(tmp_path, **variant)
@@ -99,3 +106,8 @@ def test_concurrent_greedy_requests_match_hf(tmp_path, workload, variant):
     if "option.num_kv_blocks" in variant:
         assert stats["num_preemptions"] > 0
     assert stats["finished"].get("length", 0) + stats["finished"].get("eos_token", 0) == 24
+    if variant.get("engine") == "Python":
+        assert (
+            f"engine=Python with option.rolling_batch={variant['option.rolling_batch']}: serving"
+            " with lmserve's rolling batch over MPI ranks (tensor_parallel_degree=2)"
+        ) in server.log()

@@ -1,7 +1,8 @@
 """HTTP on the rolling engine: the stream's text equals the non-streamed text, SSE and
 jsonlines parse, stop sequences end the stream without their text, seeded sampling repeats, a
 client that disconnects mid-stream frees its KV blocks at once, and OpenAI chat (plain and
-streamed) answers like HF's own chat template and greedy generate."""
+streamed) answers like HF's own chat template and greedy generate. The server names no engine:
+LMI's default (option.rolling_batch=auto) serves, as `make serve` does."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import pytest
 import requests
 
-from ..servers import Server, write_properties
+from ..servers import Server, command_line, descendants, write_properties
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
@@ -20,8 +21,7 @@ PROMPT = "Once upon a time, in a small village by the sea, there lived"
 def server(tmp_path_factory):
     folder = write_properties(
         tmp_path_factory.mktemp("rolling-stream"),
-        {
-            "engine": "MPI",
+        {  # no engine and no option.rolling_batch: the default is under test too
             "option.max_rolling_batch_size": 4,
             "option.max_model_len": 512,
             "option.dtype": "fp32",  # chat answers are compared with HF's fp32 greedy output
@@ -31,6 +31,16 @@ def server(tmp_path_factory):
     server.wait_healthy()
     yield server
     assert server.stop() == 0
+
+
+def test_no_engine_configured_serves_the_rolling_batch_over_mpi_ranks(server):
+    assert "no engine configured: serving with lmserve's rolling batch over MPI ranks" in (
+        server.log()
+    )
+    assert "engine=MPI (rolling_batch=auto)" in server.log()
+    workers = [command_line(pid) for pid in descendants(server.process.pid)]
+    assert any("lmserve.rolling_batch.worker" in command for command in workers)
+    assert not any("lmserve.handlers.worker" in command for command in workers)
 
 
 def generate(server, parameters, **extra) -> requests.Response:

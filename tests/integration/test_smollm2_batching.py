@@ -23,7 +23,13 @@ def server(tmp_path_factory):
     folder = write_properties(
         tmp_path_factory.mktemp("smollm2-python"),
         # fp32: the reference is HF's fp32 greedy output.
-        {"engine": "Python", "batch_size": 4, "max_batch_delay": 100, "option.dtype": "fp32"},
+        {
+            "engine": "Python",
+            "option.rolling_batch": "disable",
+            "batch_size": 4,
+            "max_batch_delay": 100,
+            "option.dtype": "fp32",
+        },
     )
     server = Server(folder)
     server.wait_healthy()

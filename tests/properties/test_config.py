@@ -39,8 +39,10 @@ def problems_of(model_dir: Path, text: str = "", environ=None, num_devices=None)
 
 # --- defaults -------------------------------------------------------------------------------
 
+# The contract's table, with LMI's default since 0.26 (option.rolling_batch=auto for every
+# engine, so no engine configured means the rolling batch over MPI ranks).
 CONTRACT_DEFAULTS = {
-    "engine": "Python",
+    "engine": "MPI",
     "batch_size": 1,
     "max_batch_delay": 100,
     "job_queue_size": 1000,
@@ -52,7 +54,8 @@ CONTRACT_DEFAULTS = {
     "revision": None,
     "task": "text-generation",
     "tensor_parallel_degree": 1,
-    "rolling_batch": "disable",
+    "rolling_batch": "auto",
+    "mpi_mode": False,
     "max_rolling_batch_size": 32,
     "max_rolling_batch_prefill_tokens": 4096,
     "paged_attention": True,
@@ -80,15 +83,15 @@ CONTRACT_DEFAULTS = {
 def test_defaults_match_the_contract(tmp_path, with_folder):
     resolved = load_config(tmp_path if with_folder else None, {}, num_devices=4)
     assert resolved.config.to_dict() == CONTRACT_DEFAULTS
-    assert resolved.config.uses_rolling_batch is False
+    assert resolved.config.uses_rolling_batch is True
 
 
 def test_default_sources(tmp_path):
     sources = load_config(tmp_path, {}).sources
     assert set(sources) == {setting.key for setting in SETTINGS}
-    assert sources["engine"] == "inferred"
-    assert sources["option.rolling_batch"].startswith("inferred")
-    others = {key: source for key, source in sources.items() if not source.startswith("inferred")}
+    assert sources["engine"] == "inferred from option.rolling_batch"
+    assert sources["option.rolling_batch"] == "default (LMI's since 0.26)"
+    others = {key: sources[key] for key in sources if key not in ("engine", "option.rolling_batch")}
     assert len(others) == len(SETTINGS) - 2
     assert set(others.values()) == {"default"}
 
@@ -135,6 +138,7 @@ def test_plain_server_keys_from_the_file(tmp_path):
         ("option.model_id = org/model  ", "model_id", "org/model"),
         ("option.revision=abc123", "revision", "abc123"),
         ("option.task=text2text-generation", "task", "text2text-generation"),
+        ("option.mpi_mode=true", "mpi_mode", True),
         ("option.tensor_parallel_degree=1", "tensor_parallel_degree", 1),
         ("option.rolling_batch=disable", "rolling_batch", "disable"),
         ("option.max_rolling_batch_size=64", "max_rolling_batch_size", 64),
@@ -176,7 +180,8 @@ def test_option_keys_reach_their_field_with_the_prefix_stripped(tmp_path, line, 
 def test_engine_and_rolling_batch_names_are_case_insensitive(tmp_path):
     config = load(tmp_path, "engine=mpi\noption.rolling_batch=LMI-DIST\n").config
     assert (config.engine, config.rolling_batch) == ("MPI", "lmi-dist")
-    assert load(tmp_path, "engine=python\n").config.engine == "Python"
+    config = load(tmp_path, "engine=python\noption.rolling_batch=DISABLE\n").config
+    assert (config.engine, config.rolling_batch) == ("Python", "disable")
 
 
 def test_unknown_option_is_kept_with_a_warning(tmp_path, caplog):
@@ -344,7 +349,7 @@ def test_file_wins_over_serving_env(tmp_path):
 
 
 def test_file_wins_over_option_engine(tmp_path):
-    resolved = load(tmp_path, "engine=Python\n", {"OPTION_ENGINE": "MPI"})
+    resolved = load(tmp_path, "engine=Python\nbatch_size=2\n", {"OPTION_ENGINE": "MPI"})
     assert resolved.config.engine == "Python"
     assert resolved.sources["engine"] == "serving.properties line 1"
 
@@ -358,7 +363,7 @@ def test_file_wins_over_named_lmi_variables(tmp_path):
     )
     assert resolved.config.model_id == "/opt/ml/model/llama"
     assert resolved.config.tensor_parallel_degree == 1
-    assert resolved.config.engine == "Python"
+    assert resolved.sources["option.tensor_parallel_degree"] == "serving.properties line 2"
 
 
 @pytest.mark.parametrize(
@@ -446,29 +451,42 @@ def test_every_source_at_once(tmp_path):
     assert resolved.sources["option.model_id"] == "env HF_MODEL_ID"
     assert resolved.sources["option.max_rolling_batch_size"] == "env MAX_BATCH_SIZE"
     assert resolved.sources["maxWorkers"] == "env SERVING_MAX_WORKERS"
-    assert resolved.sources["option.rolling_batch"].startswith("inferred")
+    assert resolved.sources["option.rolling_batch"] == "default (LMI's since 0.26)"
     assert resolved.sources["batch_size"] == "default"
 
 
 # --- engine / rolling batch inference -------------------------------------------------------
 
+FROM_ROLLING = "inferred from option.rolling_batch"
+LINE_1 = "serving.properties line 1"
+
 
 @pytest.mark.parametrize(
     ("text", "num_devices", "engine", "rolling_batch", "engine_source"),
     [
-        ("", 1, "Python", "disable", "inferred"),
-        ("option.rolling_batch=auto\n", 1, "MPI", "auto", "inferred"),
-        ("option.rolling_batch=vllm\n", 1, "MPI", "vllm", "inferred"),
-        ("option.rolling_batch=scheduler\n", 1, "MPI", "scheduler", "inferred"),
-        ("option.rolling_batch=lmi-dist\n", 1, "MPI", "lmi-dist", "inferred"),
-        ("option.rolling_batch=disable\n", 1, "Python", "disable", "inferred"),
-        ("option.tensor_parallel_degree=2\n", 2, "MPI", "auto", "inferred"),
-        ("option.tensor_parallel_degree=1\n", 2, "Python", "disable", "inferred"),
-        ("option.tensor_parallel_degree=max\n", 4, "MPI", "auto", "inferred"),
-        ("option.tensor_parallel_degree=max\n", 1, "Python", "disable", "inferred"),
-        ("engine=MPI\n", 1, "MPI", "auto", "serving.properties line 1"),
-        ("engine=Python\n", 1, "Python", "disable", "serving.properties line 1"),
-        ("engine=MPI\noption.rolling_batch=vllm\n", 1, "MPI", "vllm", "serving.properties line 1"),
+        # LMI's default since 0.26: option.rolling_batch=auto, whatever the engine.
+        ("", 1, "MPI", "auto", FROM_ROLLING),
+        ("option.rolling_batch=auto\n", 1, "MPI", "auto", FROM_ROLLING),
+        ("option.rolling_batch=vllm\n", 1, "MPI", "vllm", FROM_ROLLING),
+        ("option.rolling_batch=scheduler\n", 1, "MPI", "scheduler", FROM_ROLLING),
+        ("option.rolling_batch=lmi-dist\n", 1, "MPI", "lmi-dist", FROM_ROLLING),
+        ("option.rolling_batch=disable\n", 1, "Python", "disable", FROM_ROLLING),
+        ("option.tensor_parallel_degree=2\n", 2, "MPI", "auto", FROM_ROLLING),
+        ("option.tensor_parallel_degree=max\n", 1, "MPI", "auto", FROM_ROLLING),
+        ("engine=MPI\n", 1, "MPI", "auto", LINE_1),
+        ("engine=MPI\noption.rolling_batch=vllm\n", 1, "MPI", "vllm", LINE_1),
+        ("engine=Python\noption.rolling_batch=disable\n", 1, "Python", "disable", LINE_1),
+        # An old DJL dynamic-batching config names batch_size, not option.rolling_batch.
+        ("engine=Python\nbatch_size=4\n", 1, "Python", "disable", LINE_1),
+        ("batch_size=4\n", 1, "Python", "disable", FROM_ROLLING),
+        # The LMI guides' starter configs: engine=Python with a rolling batch runs over MPI.
+        ("engine=Python\n", 1, "MPI", "auto", f"{LINE_1}: Python, served as MPI"),
+        ("engine=Python\noption.rolling_batch=vllm\n", 1, "MPI", "vllm", f"{LINE_1}: Python"),
+        ("engine=Python\noption.rolling_batch=lmi-dist\n", 1, "MPI", "lmi-dist", LINE_1),
+        ("engine=Python\noption.rolling_batch=scheduler\n", 1, "MPI", "scheduler", LINE_1),
+        ("engine=Python\noption.rolling_batch=auto\n", 1, "MPI", "auto", LINE_1),
+        ("engine=Python\noption.mpi_mode=true\n", 1, "MPI", "auto", LINE_1),
+        ("engine=Python\noption.mpi_mode=true\nbatch_size=1\n", 1, "MPI", "auto", LINE_1),
     ],
 )
 def test_engine_and_rolling_batch_inference(
@@ -477,15 +495,80 @@ def test_engine_and_rolling_batch_inference(
     resolved = load(tmp_path, text, num_devices=num_devices)
     assert (resolved.config.engine, resolved.config.rolling_batch) == (engine, rolling_batch)
     assert resolved.config.uses_rolling_batch == (rolling_batch != "disable")
-    assert resolved.sources["engine"] == engine_source
+    assert resolved.sources["engine"].startswith(engine_source)
 
 
-def test_inferred_rolling_batch_says_so(tmp_path):
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        (
+            "engine=Python\noption.rolling_batch=vllm\noption.tensor_parallel_degree=2\n",
+            [
+                "engine=Python with option.rolling_batch=vllm:",
+                "lmserve's rolling batch over MPI ranks (tensor_parallel_degree=2)",
+            ],
+        ),
+        (
+            "engine=Python\n",
+            [
+                "engine=Python with option.rolling_batch=auto (the default):",
+                "rolling batch over MPI ranks",
+                "option.rolling_batch=disable gives dynamic batching",
+            ],
+        ),
+        ("engine=Python\noption.mpi_mode=true\n", ["engine=Python with option.mpi_mode=true:"]),
+        ("", ["no engine configured:", "rolling batch", "rolling_batch=disable gives dynamic"]),
+        (
+            "engine=MPI\noption.rolling_batch=lmi-dist\n",
+            [
+                "option.rolling_batch=lmi-dist: serving with lmserve's rolling batch",
+            ],
+        ),
+        ("batch_size=8\n", ["batch_size=8 with no option.rolling_batch: dynamic batching"]),
+    ],
+)
+def test_the_engine_choice_is_one_line_that_says_what_serves(tmp_path, text, fragments):
+    line = load(tmp_path, text, num_devices=2).engine_line
+    assert line is not None and "\n" not in line
+    for fragment in fragments:
+        assert fragment in line
+
+
+@pytest.mark.parametrize(
+    "text", ["engine=MPI\n", "engine=Python\noption.rolling_batch=disable\n", "engine=MPI\n\n"]
+)
+def test_a_plainly_stated_engine_needs_no_explaining(tmp_path, text):
+    assert load(tmp_path, text).engine_line is None
+
+
+@pytest.mark.parametrize(
+    ("text", "ignored"),
+    [
+        (
+            "engine=Python\noption.rolling_batch=disable\noption.max_rolling_batch_size=8\n"
+            "option.paged_attention=false\n",
+            ["option.max_rolling_batch_size (serving.properties line 3)", "option.paged_attention"],
+        ),
+        ("engine=MPI\nmax_batch_delay=50\n", ["max_batch_delay (serving.properties line 2)"]),
+        ("engine=MPI\noption.max_rolling_batch_size=8\n", []),
+        ("batch_size=4\nmax_batch_delay=50\n", []),
+    ],
+)
+def test_keys_the_chosen_batching_never_reads_are_named(tmp_path, text, ignored):
+    found = load(tmp_path, text).ignored
+    assert len(found) == len(ignored)
+    for fragment, line in zip(ignored, found):
+        assert line.startswith(fragment) and "ignored" in line
+
+
+def test_default_rolling_batch_says_where_it_came_from(tmp_path):
     sources = load(tmp_path, "engine=MPI\n").sources
-    assert sources["option.rolling_batch"].startswith("inferred")
+    assert sources["option.rolling_batch"] == "default (LMI's since 0.26)"
+    sources = load(tmp_path, "engine=Python\nbatch_size=3\n").sources
+    assert sources["option.rolling_batch"] == "inferred from batch_size"
     sources = load(tmp_path, "option.rolling_batch=auto\n").sources
-    assert sources["option.rolling_batch"] == "serving.properties line 1"
-    assert sources["engine"] == "inferred"
+    assert sources["option.rolling_batch"] == LINE_1
+    assert sources["engine"] == FROM_ROLLING
 
 
 @pytest.mark.parametrize(("num_devices", "expected"), [(8, 8), (2, 2), (1, 1), (None, 1)])
@@ -600,34 +683,34 @@ def test_equal_min_and_max_workers_are_fine(tmp_path):
             ["option.tensor_parallel_degree=4", "2 device", "an integer <= 2", '"max"'],
         ),
         (
-            "engine=Python\noption.rolling_batch=auto",
-            None,
-            ["option.rolling_batch='auto'", "engine=Python", "disable", "engine=MPI"],
-        ),
-        (
-            "engine=Python\noption.rolling_batch=vllm",
-            None,
-            ["option.rolling_batch='vllm'", "engine=Python"],
-        ),
-        (
-            "engine=Python\noption.tensor_parallel_degree=2",
+            "engine=Python\noption.rolling_batch=disable\noption.tensor_parallel_degree=2",
             2,
-            ["option.tensor_parallel_degree=2", "engine=Python", "expected 1", "engine=MPI"],
+            [
+                "option.tensor_parallel_degree=2",
+                "option.rolling_batch='disable'",
+                "expected 1",
+                "rolling_batch=auto",
+            ],
         ),
         (
             "engine=MPI\noption.rolling_batch=disable",
             None,
-            ["option.rolling_batch='disable'", "engine=MPI", "auto"],
+            ["option.rolling_batch='disable'", "engine=MPI", "auto", "engine=Python"],
         ),
         (
-            "batch_size=4\noption.rolling_batch=auto",
+            "engine=MPI\noption.rolling_batch=disable\noption.tensor_parallel_degree=2",
+            2,
+            ["option.rolling_batch='disable'", "engine=MPI"],
+        ),
+        (
+            "option.mpi_mode=true\noption.rolling_batch=disable",
+            None,
+            ["option.mpi_mode=true", "option.rolling_batch='disable'", "mpi_mode=false"],
+        ),
+        (
+            "engine=Python\nbatch_size=4\noption.mpi_mode=true",
             None,
             ["batch_size=4", "option.rolling_batch='auto'", "batch_size=1"],
-        ),
-        (
-            "batch_size=2\nengine=MPI",
-            None,
-            ["batch_size=2", "rolling_batch='auto'", "batch_size=1"],
         ),
         (
             "minWorkers=3\nmaxWorkers=2",
@@ -713,10 +796,10 @@ def test_config_error_is_a_value_error(tmp_path):
 
 
 def test_bad_value_and_impossible_combination_are_both_reported(tmp_path):
-    problems = problems_of(tmp_path, "engine=Python\noption.rolling_batch=auto\nport=x\n")
+    problems = problems_of(tmp_path, "batch_size=2\noption.rolling_batch=auto\nport=x\n")
     assert len(problems) == 2
     assert any("port='x'" in p for p in problems)
-    assert any("option.rolling_batch='auto'" in p and "engine=Python" in p for p in problems)
+    assert any("batch_size=2" in p and "option.rolling_batch='auto'" in p for p in problems)
 
 
 # --- the ServingConfig object ---------------------------------------------------------------
@@ -779,5 +862,5 @@ def test_max_degree_resolves_to_what_the_caller_says_max_means(tmp_path):
     (tmp_path / "serving.properties").write_text("option.tensor_parallel_degree=max\n")
     on_cpu = load_config(tmp_path, {}, num_devices=16, max_tensor_parallel=1).config
     on_gpus = load_config(tmp_path, {}, num_devices=4).config
-    assert on_cpu.tensor_parallel_degree == 1 and on_cpu.engine == "Python"
+    assert on_cpu.tensor_parallel_degree == 1 and on_cpu.engine == "MPI"
     assert on_gpus.tensor_parallel_degree == 4 and on_gpus.engine == "MPI"

@@ -66,7 +66,7 @@ def test_lists_every_key_with_value_and_source(tmp_path):
     assert table["option.paged_attention"] == ("True", "default")
     assert table["option.model_id"] == ("None", "default")
     assert table["option.rolling_batch"][0] == "'auto'"
-    assert table["option.rolling_batch"][1].startswith("inferred")
+    assert table["option.rolling_batch"][1] == "default (LMI's since 0.26)"
     value, source = table["option.custom_flag"]
     assert value == "'on'"
     assert source.startswith("serving.properties line 5") and "unknown" in source
@@ -123,12 +123,30 @@ def test_bad_config_exits_2_naming_every_bad_key(tmp_path):
 
 def test_impossible_combination_exits_2(tmp_path):
     (tmp_path / "serving.properties").write_text(
-        "engine=Python\noption.rolling_batch=vllm\n", encoding="utf-8"
+        "engine=MPI\noption.rolling_batch=disable\n", encoding="utf-8"
     )
     result = run_config(tmp_path, {})
     assert result.returncode == 2
     assert "Traceback" not in result.stdout + result.stderr
-    assert "option.rolling_batch='vllm'" in result.stderr and "engine=Python" in result.stderr
+    assert "option.rolling_batch='disable'" in result.stderr and "engine=MPI" in result.stderr
+
+
+def test_lmi_guide_starter_config_is_served_by_the_rolling_batch(tmp_path):
+    # The vLLM guide's serving.properties: engine=Python with option.rolling_batch=vllm.
+    (tmp_path / "serving.properties").write_text(
+        "engine=Python\noption.rolling_batch=vllm\noption.tensor_parallel_degree=1\n",
+        encoding="utf-8",
+    )
+    result = run_config(tmp_path, {})
+    assert result.returncode == 0, result.stderr
+    table = rows(result.stdout)
+    assert table["engine"][0] == "'MPI'"
+    assert table["engine"][1].startswith("serving.properties line 1: Python, served as MPI")
+    assert table["option.rolling_batch"] == ("'vllm'", "serving.properties line 2")
+    assert (
+        "engine=Python with option.rolling_batch=vllm: serving with lmserve's rolling batch"
+        " over MPI ranks (tensor_parallel_degree=1)"
+    ) in result.stderr
 
 
 def test_bad_environment_value_exits_2(tmp_path):
