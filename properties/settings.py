@@ -103,6 +103,27 @@ def unsupported(what: str) -> Callable[[str], Any]:
     return parse
 
 
+def only(allowed: str, why: str) -> Callable[[str], str]:
+    """One accepted value (case-insensitive): what lmserve does; anything else is refused with
+    `why` instead of being parsed and silently ignored."""
+
+    def parse(text_value: str) -> str:
+        if text_value.strip().lower() == allowed.lower():
+            return allowed
+        raise ValueError(f"{allowed} ({why})")
+
+    return parse
+
+
+def only_boolean(allowed: bool, why: str) -> Callable[[str], bool]:
+    def parse(text_value: str) -> bool:
+        if boolean(text_value) == allowed:
+            return allowed
+        raise ValueError(f"{str(allowed).lower()} ({why})")
+
+    return parse
+
+
 ROLLING_BATCH_ALIASES = ("scheduler", "lmi-dist", "vllm")
 
 SETTINGS: tuple[Setting, ...] = (
@@ -119,7 +140,13 @@ SETTINGS: tuple[Setting, ...] = (
     # engine options (option.*, OPTION_*)
     Setting("option.model_id", "model_id", text, None, ("HF_MODEL_ID",)),
     Setting("option.revision", "revision", text, None, ("HF_REVISION",)),
-    Setting("option.task", "task", text, "text-generation", ("HF_TASK",)),
+    Setting(
+        "option.task",
+        "task",
+        only("text-generation", "the only task lmserve serves"),
+        "text-generation",
+        ("HF_TASK",),
+    ),
     Setting(
         "option.tensor_parallel_degree",
         "tensor_parallel_degree",
@@ -184,8 +211,24 @@ SETTINGS: tuple[Setting, ...] = (
     # container; true: the supervisor restarts the engine in place (a few times).
     Setting("option.restart_engine_on_failure", "restart_engine_on_failure", boolean, False),
     Setting("option.gpu_memory_utilization", "gpu_memory_utilization", real(0.0, 1.0), 0.9),
-    Setting("option.enable_prefix_caching", "enable_prefix_caching", boolean, False),
-    Setting("option.enable_chunked_prefill", "enable_chunked_prefill", boolean, False),
+    # The defaults say what lmserve does (vLLM's defaults are true and true): the other value
+    # is refused rather than parsed and ignored.
+    Setting(
+        "option.enable_prefix_caching",
+        "enable_prefix_caching",
+        only_boolean(False, "prefix caching is not supported yet"),
+        False,
+    ),
+    Setting(
+        "option.enable_chunked_prefill",
+        "enable_chunked_prefill",
+        only_boolean(
+            True,
+            "the rolling batch always prefills prompts longer than"
+            " option.max_rolling_batch_prefill_tokens in chunks, between decode steps",
+        ),
+        True,
+    ),
     # lmserve serves unquantized weights only; saying so beats silently ignoring the request.
     Setting(
         "option.quantize",

@@ -40,7 +40,8 @@ def problems_of(model_dir: Path, text: str = "", environ=None, num_devices=None)
 # --- defaults -------------------------------------------------------------------------------
 
 # The contract's table, with LMI's default since 0.26 (option.rolling_batch=auto for every
-# engine, so no engine configured means the rolling batch over MPI ranks).
+# engine, so no engine configured means the rolling batch over MPI ranks) and the values that
+# say what lmserve does where it does less than vLLM (enable_prefix_caching).
 CONTRACT_DEFAULTS = {
     "engine": "MPI",
     "batch_size": 1,
@@ -73,7 +74,7 @@ CONTRACT_DEFAULTS = {
     "model_loading_timeout": 240,
     "gpu_memory_utilization": 0.9,
     "enable_prefix_caching": False,
-    "enable_chunked_prefill": False,
+    "enable_chunked_prefill": True,
     "quantize": None,
     "extra_options": {},
 }
@@ -137,7 +138,8 @@ def test_plain_server_keys_from_the_file(tmp_path):
         ("option.model_id=s3://bucket/prefix/", "model_id", "s3://bucket/prefix/"),
         ("option.model_id = org/model  ", "model_id", "org/model"),
         ("option.revision=abc123", "revision", "abc123"),
-        ("option.task=text2text-generation", "task", "text2text-generation"),
+        ("option.task=text-generation", "task", "text-generation"),
+        ("option.task=Text-Generation", "task", "text-generation"),
         ("option.mpi_mode=true", "mpi_mode", True),
         ("option.tensor_parallel_degree=1", "tensor_parallel_degree", 1),
         ("option.rolling_batch=disable", "rolling_batch", "disable"),
@@ -164,7 +166,7 @@ def test_plain_server_keys_from_the_file(tmp_path):
         ("option.model_loading_timeout=1200", "model_loading_timeout", 1200),
         ("option.gpu_memory_utilization=0.5", "gpu_memory_utilization", 0.5),
         ("option.gpu_memory_utilization=1", "gpu_memory_utilization", 1.0),
-        ("option.enable_prefix_caching=true", "enable_prefix_caching", True),
+        ("option.enable_prefix_caching=false", "enable_prefix_caching", False),
         ("option.enable_chunked_prefill=true", "enable_chunked_prefill", True),
         ("option.quantize=", "quantize", None),
         ("batch_size = 2   ", "batch_size", 2),  # trailing spaces around numbers are fine
@@ -262,7 +264,7 @@ def test_syntax_error_in_the_file_is_a_config_error_naming_file_and_line(tmp_pat
         ("SERVING_PORT", "8443", "port", 8443, "port"),
         ("HF_MODEL_ID", "org/model", "model_id", "org/model", "option.model_id"),
         ("HF_REVISION", "v2", "revision", "v2", "option.revision"),
-        ("HF_TASK", "text2text-generation", "task", "text2text-generation", "option.task"),
+        ("HF_TASK", "text-generation", "task", "text-generation", "option.task"),
         ("MAX_BATCH_SIZE", "16", "max_rolling_batch_size", 16, None),
         ("MAX_BATCH_PREFILL_TOKENS", "1000", "max_rolling_batch_prefill_tokens", 1000, None),
         ("MAX_CONCURRENT_REQUESTS", "64", "job_queue_size", 64, "job_queue_size"),
@@ -371,13 +373,18 @@ def test_file_wins_over_named_lmi_variables(tmp_path):
     [
         ("OPTION_MODEL_ID", "HF_MODEL_ID", "option.model_id", "model_id"),
         ("OPTION_REVISION", "HF_REVISION", "option.revision", "revision"),
-        ("OPTION_TASK", "HF_TASK", "option.task", "task"),
     ],
 )
 def test_option_env_wins_over_named_lmi_variable(option_name, named, key, field):
     resolved = load_config(None, {option_name: "from-option", named: "from-named"})
     assert getattr(resolved.config, field) == "from-option"
     assert resolved.sources[key] == f"env {option_name}"
+
+
+def test_option_task_wins_over_hf_task():
+    resolved = load_config(None, {"OPTION_TASK": "text-generation", "HF_TASK": "fill-mask"})
+    assert resolved.config.task == "text-generation"
+    assert resolved.sources["option.task"] == "env OPTION_TASK"
 
 
 def test_option_env_wins_over_tensor_parallel_degree_and_sm_num_gpus():
@@ -712,6 +719,41 @@ def test_equal_min_and_max_workers_are_fine(tmp_path):
             None,
             ["batch_size=4", "option.rolling_batch='auto'", "batch_size=1"],
         ),
+        # parsed options lmserve does not implement are refused, not ignored
+        (
+            "option.task=text2text-generation",
+            None,
+            ["option.task='text2text-generation'", "expected text-generation", "only task"],
+        ),
+        (
+            "option.enable_prefix_caching=true",
+            None,
+            ["option.enable_prefix_caching='true'", "expected false", "not supported yet"],
+        ),
+        (
+            "option.enable_chunked_prefill=false",
+            None,
+            [
+                "option.enable_chunked_prefill='false'",
+                "expected true",
+                "option.max_rolling_batch_prefill_tokens in chunks",
+            ],
+        ),
+        (
+            "option.enable_chunked_prefill=maybe",
+            None,
+            ["option.enable_chunked_prefill='maybe'", "true or false"],
+        ),
+        (
+            "batch_size=4\noption.rolling_batch=auto",
+            None,
+            ["batch_size=4", "option.rolling_batch='auto'", "batch_size=1"],
+        ),
+        (
+            "batch_size=2\nengine=MPI",
+            None,
+            ["batch_size=2", "rolling_batch='auto'", "batch_size=1"],
+        ),
         (
             "minWorkers=3\nmaxWorkers=2",
             None,
@@ -744,6 +786,7 @@ def test_each_invalid_setting_is_one_problem_naming_key_value_and_allowed(
             ["option.quantize='gptq'", "env HF_MODEL_QUANTIZE", "unquantized"],
         ),
         ({"OPTION_ENGINE": "Rust"}, ["engine='Rust'", "env OPTION_ENGINE", "Python, MPI"]),
+        ({"HF_TASK": "fill-mask"}, ["option.task='fill-mask'", "env HF_TASK", "text-generation"]),
     ],
 )
 def test_invalid_environment_values_name_the_variable(environ, fragments):
