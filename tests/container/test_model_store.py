@@ -196,6 +196,39 @@ def test_model_dir_with_files_but_no_model_is_refused_never_served_as_smollm2(tm
     assert "option.model_id" in message and "HF_MODEL_ID" in message
 
 
+def test_model_dir_with_a_users_handler_is_the_handlers_folder(tmp_path):
+    # DJL hands a model.py its own folder as model_dir; it loads what it wants from there.
+    model_dir = write_properties(tmp_path / "echo", {"engine": "Python"})
+    (model_dir / "model.py").write_text("def handle(inputs):\n    return None\n")
+    (model_dir / "requirements.txt").write_text("")
+
+    resolved = resolve_as_the_cli_does(model_dir, tmp_path / "cache")
+
+    assert (resolved.path, resolved.name, resolved.source) == (model_dir, "echo", str(model_dir))
+
+
+def test_entry_point_file_other_than_model_py(tmp_path):
+    model_dir = tmp_path / "echo"
+    model_dir.mkdir()
+    (model_dir / "my_handler.py").write_text("def handle(inputs):\n    return None\n")
+
+    with pytest.raises(ModelStoreError, match="no model in it"):
+        resolve_as_the_cli_does(model_dir, tmp_path / "cache")
+    resolved = resolve_as_the_cli_does(
+        model_dir, tmp_path / "cache", OPTION_ENTRYPOINT="my_handler.py"
+    )
+    assert resolved.path == model_dir
+
+
+def test_djl_builtin_llm_handler_still_needs_a_model(tmp_path):
+    properties = {"option.entryPoint": "djl_python.huggingface"}
+    model_dir = write_properties(tmp_path / "model", properties)
+    (model_dir / "README.md").write_text("")
+
+    with pytest.raises(ModelStoreError, match="no model in it"):
+        resolve_as_the_cli_does(model_dir, tmp_path / "cache")
+
+
 def test_missing_model_dir_is_refused(tmp_path):
     with pytest.raises(ModelStoreError, match="no-such-dir: no such directory"):
         resolve_model(config_for(None), tmp_path / "no-such-dir", tmp_path / "cache")
