@@ -17,7 +17,6 @@ Compile time and the first call's time are reported too (a server pays them at s
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import types
 
@@ -27,9 +26,13 @@ from lmserve.kernels import cpu_native
 from lmserve.properties.config import default_cache_dir
 from lmserve.rolling_batch.layers import cpu_matmul
 from lmserve.rolling_batch.model_source import local_model_path
-from lmserve.rolling_batch.step import SequenceChunk
 
-from .runtime_throughput import batch_runner, prefill_chunks, run_under_engine_allocator
+from .runtime_throughput import (
+    batch_runner,
+    decode_chunks,
+    median_step_seconds,
+    run_under_engine_allocator,
+)
 
 _PACKED: list[torch.Tensor] = []  # handle -> oneDNN-packed weight
 _OUT_FEATURES: list[int] = []
@@ -132,22 +135,6 @@ def route_packed_linears_through(packed_linear) -> None:
     )
 
 
-def decode_chunks(runner, blocks, prompt_len: int) -> list[SequenceChunk]:
-    tokens = runner.execute(prefill_chunks(blocks, prompt_len)).argmax(-1).tolist()
-    return [SequenceChunk((t,), prompt_len, b, True) for t, b in zip(tokens, blocks)]
-
-
-def median_step(runner, chunks, repeats: int) -> float:
-    for _ in range(3):
-        runner.execute(chunks)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        runner.execute(chunks)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def main() -> None:
     run_under_engine_allocator("lmserve.benchmarks.compile_trial")
     parser = argparse.ArgumentParser(description=__doc__)
@@ -174,13 +161,13 @@ def main() -> None:
     for batch in args.batches:
         chunks = decode_chunks(runner, blocks[:batch], args.prompt_len)
         runner.model.forward = eager_forward
-        eager = median_step(runner, chunks, args.repeats)
+        eager = median_step_seconds(runner, chunks, args.repeats)
         runner.model.forward = compiled_forward
         started = time.perf_counter()
         with torch.inference_mode():
             runner.execute(chunks)  # compiles (first batch) or checks guards
         first = time.perf_counter() - started
-        compiled = median_step(runner, chunks, args.repeats)
+        compiled = median_step_seconds(runner, chunks, args.repeats)
         runner.model.forward = eager_forward
         eager_logits = runner.execute(chunks)
         runner.model.forward = compiled_forward

@@ -18,9 +18,7 @@ whose Python hooks would slow every op.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 import types
 from collections import Counter, defaultdict
 
@@ -30,9 +28,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmserve.properties.config import default_cache_dir
 from lmserve.rolling_batch.model_source import local_model_path
-from lmserve.rolling_batch.step import SequenceChunk
 
-from .runtime_throughput import batch_runner, prefill_chunks, run_under_engine_allocator
+from .runtime_throughput import (
+    batch_runner,
+    decode_chunks,
+    median_step_seconds,
+    run_under_engine_allocator,
+)
 
 INPUTS, BEFORE, AFTER = "step inputs", "before layers", "after layers"
 
@@ -109,18 +111,8 @@ def decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList | None:
 
 def measure(model_path, dtype: str, batch: int, prompt_len: int, repeats: int) -> dict:
     runner, hf_config, blocks = batch_runner(model_path, dtype, batch, prompt_len + 1)
-    next_tokens = runner.execute(prefill_chunks(blocks, prompt_len)).argmax(-1).tolist()
-    decode = [
-        SequenceChunk((token,), prompt_len, block_ids, True)
-        for token, block_ids in zip(next_tokens, blocks)
-    ]
-    for _ in range(3):  # warm-up: first calls allocate and pick kernels
-        runner.execute(decode)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        runner.execute(decode)
-        times.append(time.perf_counter() - started)
+    decode = decode_chunks(runner, blocks, prompt_len)
+    step_s = median_step_seconds(runner, decode, repeats)
 
     layers = decoder_layers(runner.model, hf_config.num_hidden_layers)
     counter = OpCounter()
@@ -132,7 +124,7 @@ def measure(model_path, dtype: str, batch: int, prompt_len: int, repeats: int) -
         for handle in handles:
             handle.remove()
     return {
-        "step_s": statistics.median(times),
+        "step_s": step_s,
         "total": counter.total(),
         "sections": {s: sum(counter.counts[s].values()) for s in (INPUTS, BEFORE, AFTER)},
         "layers": [counter.counts[i] for i in range(len(layers or ()))],

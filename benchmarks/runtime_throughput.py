@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -64,6 +65,24 @@ def prefill_chunks(blocks, prompt_len: int) -> list[SequenceChunk]:
         100, 40000, (len(blocks), prompt_len), generator=torch.Generator().manual_seed(0)
     )
     return [SequenceChunk(tuple(p.tolist()), 0, blocks[i], True) for i, p in enumerate(prompts)]
+
+
+def decode_chunks(runner, blocks, prompt_len: int) -> list[SequenceChunk]:
+    """Prefills `prompt_len` tokens per sequence; the decode step that follows (one token each,
+    repeatable: the same positions, the same KV slots overwritten)."""
+    tokens = runner.execute(prefill_chunks(blocks, prompt_len)).argmax(-1).tolist()
+    return [SequenceChunk((t,), prompt_len, b, True) for t, b in zip(tokens, blocks)]
+
+
+def median_step_seconds(runner, chunks: list[SequenceChunk], repeats: int) -> float:
+    for _ in range(3):  # warm-up: first calls allocate and pick kernels
+        runner.execute(chunks)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        runner.execute(chunks)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def native(model_path, dtype: str, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:

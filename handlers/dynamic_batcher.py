@@ -10,8 +10,12 @@ request runs first, so no group starves. Torch-free.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+# How batch work answers: send(the ROUTER identity of the asking front end, an engine event).
+Send = Callable[[bytes, Any], None]
 
 
 @dataclass

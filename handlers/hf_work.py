@@ -7,18 +7,15 @@ out of memory)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
 from lmserve.rolling_batch import protocol
 
-from .dynamic_batcher import PendingRequest
+from .dynamic_batcher import PendingRequest, Send
 from .hf_engine import HFEngine
 
 log = logging.getLogger("lmserve.engine")
-
-Send = Callable[[bytes, protocol.FromEngine], None]
 
 
 class HFGenerateWork:

@@ -9,16 +9,13 @@ with an error event."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from lmserve.rolling_batch import protocol
 
 from .custom_service import Answer, HandlerError, RawRequest, UserHandlerService
-from .dynamic_batcher import PendingRequest
+from .dynamic_batcher import PendingRequest, Send
 
 log = logging.getLogger("lmserve.engine")
-
-Send = Callable[[bytes, protocol.FromEngine], None]
 
 
 class UserHandlerWork:
