@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from lmserve.handlers.user_code import EntryPoint, UserCodeError, find_entry_point
 from lmserve.properties.config import (
     ConfigError,
     ResolvedConfig,
@@ -20,6 +21,7 @@ from lmserve.rolling_batch.runtime import Runtime
 
 from .launcher import Supervisor, make_ipc_dir, unsupported_settings
 from .model_store import ModelStoreError, resolve_model, served_model_dir
+from .requirements_install import RequirementsError, install_requirements
 from .s3_download import S3Error
 
 log = logging.getLogger("lmserve")
@@ -37,25 +39,38 @@ def count_gpus() -> int:
     return len(list(gpus.iterdir())) if gpus.is_dir() else 0
 
 
-def _load(model_dir: Path | None) -> ResolvedConfig:
-    gpus = count_gpus()
-    if gpus:
-        resolved = load_config(model_dir, os.environ, num_devices=gpus)
-    else:
-        # CPU: ranks are bounded by cores (one rank per core); "max" means the one CPU device.
-        resolved = load_config(
-            model_dir, os.environ, num_devices=os.cpu_count() or 1, max_tensor_parallel=1
-        )
+def _load(model_dir: Path | None) -> tuple[ResolvedConfig, EntryPoint | None]:
+    """The configuration, and the model dir's own handler if it brings one (it decides the
+    engine, so the configuration is read again knowing it)."""
+    resolved = _read_config(model_dir)
+    entry = find_entry_point(resolved.config.entry_point, model_dir)
+    if entry is not None:
+        resolved = _read_config(model_dir, user_handler=True)
     if resolved.engine_line is not None:
         log.info("%s", resolved.engine_line)
     for ignored in resolved.ignored:
         log.warning("%s", ignored)
-    return resolved
+    return resolved, entry
+
+
+def _read_config(model_dir: Path | None, user_handler: bool = False) -> ResolvedConfig:
+    gpus = count_gpus()
+    if gpus:
+        return load_config(model_dir, os.environ, num_devices=gpus, user_handler=user_handler)
+    # CPU: ranks are bounded by cores (one rank per core); "max" means the one CPU device.
+    return load_config(
+        model_dir,
+        os.environ,
+        num_devices=os.cpu_count() or 1,
+        max_tensor_parallel=1,
+        user_handler=user_handler,
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
     model_dir = args.model_dir if args.model_dir is not None else default_model_dir()
-    resolved = _load(served_model_dir(model_dir))  # a model store's one model: its own file
+    served = served_model_dir(model_dir)  # a model store's one model: its own folder and file
+    resolved, entry = _load(served)
     config = resolved.config
     problems = unsupported_settings(config)
     if problems:
@@ -66,7 +81,11 @@ def serve(args: argparse.Namespace) -> int:
             " only compete (raise batch_size instead)",
             config.max_workers,
         )
+    if entry is not None and served is None:
+        raise ConfigError([f"option.entryPoint={entry.name!r} needs a model dir (--model-dir)"])
     model = resolve_model(config, model_dir, default_cache_dir())
+    if served is not None and config.install_requirements:
+        _add_requirements(served)
     port = args.port if args.port is not None else config.port
     log.info(
         "engine=%s (rolling_batch=%s) dtype=%s batch_size=%d max_batch_delay=%d ms"
@@ -81,13 +100,29 @@ def serve(args: argparse.Namespace) -> int:
         model.source,
         model.path,
     )
-    runtime = Runtime(config, model.name, str(model.path), model.source, make_ipc_dir())
+    runtime = Runtime(
+        config,
+        model.name,
+        str(model.path),
+        model.source,
+        make_ipc_dir(),
+        entry_point=None if entry is None else str(entry.path or entry.module),
+    )
     return Supervisor(runtime, args.host, port).run()
+
+
+def _add_requirements(model_dir: Path) -> None:
+    """The model dir's requirements.txt, installed (once) where the processes about to start
+    find it: they inherit PYTHONPATH."""
+    site_packages = install_requirements(model_dir, default_cache_dir())
+    if site_packages is not None:
+        paths = [str(site_packages), os.environ.get("PYTHONPATH", "")]
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
 
 
 def show_config(args: argparse.Namespace) -> int:
     model_dir = args.model_dir if args.model_dir is not None else default_model_dir()
-    print(describe(_load(served_model_dir(model_dir))))
+    print(describe(_load(served_model_dir(model_dir))[0]))
     return 0
 
 
@@ -128,7 +163,14 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser(command).parse_args(argv)
     try:
         sys.exit(args.run(args))
-    except (ConfigError, ModelStoreError, S3Error, GGUFError) as error:
+    except (
+        ConfigError,
+        ModelStoreError,
+        S3Error,
+        GGUFError,
+        UserCodeError,
+        RequirementsError,
+    ) as error:
         log.error("%s", error)
         sys.exit(2)
 

@@ -173,10 +173,6 @@ def unsupported_settings(config: ServingConfig) -> list[str]:
     """Settings this build accepts in the file but cannot serve yet: refused at start-up rather
     than silently ignored."""
     problems = []
-    if config.entry_point is not None:
-        problems.append(
-            f"option.entryPoint={config.entry_point!r}: custom handlers are not supported yet"
-        )
     if config.output_formatter not in ("json", "jsonlines", "sse"):
         problems.append(
             f"option.output_formatter={config.output_formatter!r}: formatter functions from"

@@ -55,8 +55,12 @@ def served_model_dir(model_dir: Path | None) -> Path | None:
 def resolve_model(config: ServingConfig, model_dir: Path | None, cache_dir: Path) -> ResolvedModel:
     """`model_dir` as given (or the default one); `config` was read from `served_model_dir`."""
     folder = served_model_dir(model_dir)
+    if folder is not None and find_entry_point(config.entry_point, folder) is not None:
+        # A user's handler loads what it wants from its own folder, model files or not, as
+        # DJL hands it model_dir (and its option.model_id, if any, to read itself).
+        return ResolvedModel(folder, folder.name, str(folder))
     if config.model_id is None:
-        return _from_model_dir(model_dir, config.entry_point, cache_dir)
+        return _from_model_dir(model_dir, cache_dir)
     model = _from_model_id(config, folder, cache_dir)
     if folder != model_dir:  # DJL names a model store's model after its folder
         return replace(model, name=folder.name)
@@ -80,9 +84,7 @@ def _from_model_id(config: ServingConfig, model_dir: Path | None, cache_dir: Pat
     return ResolvedModel(as_hf_dir(snapshot, cache_dir), name, f"hub {model_id}")
 
 
-def _from_model_dir(
-    model_dir: Path | None, entry_point: str | None, cache_dir: Path
-) -> ResolvedModel:
+def _from_model_dir(model_dir: Path | None, cache_dir: Path) -> ResolvedModel:
     if model_dir is None:
         return _embedded(cache_dir)
     if not model_dir.is_dir():
@@ -91,9 +93,6 @@ def _from_model_dir(
         raise ModelStoreError(f"model dir {model_dir}: no such directory")
     if holds_model_files(model_dir):
         return ResolvedModel(as_hf_dir(model_dir, cache_dir), model_dir.name, str(model_dir))
-    if find_entry_point(entry_point, model_dir) is not None:
-        # A user's handler loads what it wants from its folder (DJL hands it this model_dir).
-        return ResolvedModel(model_dir, model_dir.name, str(model_dir))
     subfolders = _model_subfolders(model_dir)
     if len(subfolders) == 1:
         (folder,) = subfolders

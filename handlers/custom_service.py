@@ -141,8 +141,13 @@ def _sniff(body: bytes) -> str:
 
 
 def _pieces(stream: Iterator[Any]) -> Iterator[bytes]:
+    """Text and bytes as they are; anything else as one JSON line (a stream's default type is
+    application/jsonlines)."""
     for piece in stream:
-        yield encode_value(piece)
+        if isinstance(piece, (str, bytes, bytearray)):
+            yield encode_value(piece)
+        else:
+            yield encode_value(piece) + b"\n"
 
 
 def _error_answer(status: int, message: str) -> Answer:

@@ -65,6 +65,7 @@ class ServingConfig:
     max_model_len: int | None
     trust_remote_code: bool
     entry_point: str | None
+    install_requirements: bool
     output_formatter: str
     tgi_compat: bool
     predict_timeout: int  # s
@@ -104,8 +105,12 @@ def load_config(
     environ: Mapping[str, str] | None = None,
     num_devices: int | None = None,
     max_tensor_parallel: int | None = None,
+    user_handler: bool = False,
 ) -> ResolvedConfig:
     """Reads `<model_dir>/serving.properties` (if any) and the environment.
+
+    `user_handler`: the model dir brings its own `handle()`, which serves with engine=Python
+    and dynamic batching (a configuration that asks for the rolling batch is refused).
 
     `num_devices` bounds tensor_parallel_degree (None skips that check); `max` resolves to
     `max_tensor_parallel`, by default `num_devices` (on CPU the caller passes 1: "all
@@ -141,8 +146,16 @@ def load_config(
             values.setdefault(setting.field, setting.default)
             sources[setting.key] = "default"
     _resolve_max_devices(values, max_tensor_parallel or num_devices)
-    engine_line = choose_engine(values, sources)
+    engine_line = choose_engine(values, sources, user_handler)
     problems += _cross_field_problems(values, num_devices)
+    if user_handler and values["rolling_batch"] != DYNAMIC_BATCHING:
+        problems.append(
+            f"the model dir's handler (model.py or option.entryPoint) runs with engine=Python and"
+            f" dynamic batching, not the rolling batch (engine={values['engine']} from"
+            f" {sources['engine']}, option.rolling_batch={values['rolling_batch']} from"
+            f" {sources['option.rolling_batch']}): expected engine=Python with"
+            " option.rolling_batch=disable, or no engine set"
+        )
     if problems:
         raise ConfigError(problems)
     return ResolvedConfig(

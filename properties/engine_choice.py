@@ -29,12 +29,27 @@ ROLLING_ONLY_KEYS = (
 DYNAMIC_ONLY_KEYS = ("max_batch_delay",)
 
 
-def choose_engine(values: dict[str, Any], sources: dict[str, str]) -> str | None:
+def choose_engine(
+    values: dict[str, Any], sources: dict[str, str], user_handler: bool = False
+) -> str | None:
     """Resolves `engine` and `rolling_batch` in `values` (and their sources); returns the
     start-up line that says what serves, or None where the configuration said it plainly
-    (`engine=MPI` with `auto`, or `engine=Python` with `disable`)."""
+    (`engine=MPI` with `auto`, or `engine=Python` with `disable`). `user_handler`: the model
+    dir brings its own `handle()` (model.py, option.entryPoint), which runs in engine=Python's
+    process with dynamic batching, as in DJL."""
     given_engine = values["engine"]
     given_rolling = values["rolling_batch"]
+    if user_handler and given_rolling is INFERRED:
+        if given_engine != "MPI" and not values["mpi_mode"]:
+            values["rolling_batch"] = DYNAMIC_BATCHING
+            sources["option.rolling_batch"] = "inferred from the model's handler"
+            if given_engine is INFERRED:
+                values["engine"], sources["engine"] = "Python", "inferred from the model's handler"
+            return (
+                "the model's own handle() serves: engine=Python with dynamic batching"
+                f" (batch_size={values['batch_size']}, max_batch_delay={values['max_batch_delay']}"
+                " ms)"
+            )
     if given_rolling is INFERRED:
         values["rolling_batch"], sources["option.rolling_batch"] = _default_rolling(values, sources)
     rolling = values["rolling_batch"]

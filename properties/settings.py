@@ -203,6 +203,9 @@ SETTINGS: tuple[Setting, ...] = (
         ("HF_MODEL_TRUST_REMOTE_CODE",),
     ),
     Setting("option.entryPoint", "entry_point", text, None),
+    # requirements.txt in the model dir is pip-installed at start-up (container/
+    # requirements_install.py); false for images that bring their packages themselves.
+    Setting("option.install_requirements", "install_requirements", boolean, True),
     Setting("option.output_formatter", "output_formatter", output_formatter, "json"),
     Setting("option.tgi_compat", "tgi_compat", boolean, False),
     Setting("option.predict_timeout", "predict_timeout", integer(1), 120),

@@ -158,6 +158,18 @@ def test_streamed_output_yields_pieces(tmp_path):
     assert list(answer.stream) == [b"one ", b"two ", b"three "]
 
 
+def test_streamed_objects_are_json_lines(tmp_path):
+    source = """
+    from djl_python import Output
+
+    def handle(inputs):
+        return Output().add_stream_content({"n": n} for n in range(2))
+    """
+    (answer,) = service_for(write_handler(tmp_path, source)).answer([RawRequest(b"", {})])
+    assert answer.headers["content-type"] == "application/jsonlines"
+    assert b"".join(answer.stream) == b'{"n": 0}\n{"n": 1}\n'
+
+
 def test_handler_error_output_keeps_its_status(tmp_path):
     source = """
     from djl_python import Output

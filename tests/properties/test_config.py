@@ -68,6 +68,7 @@ CONTRACT_DEFAULTS = {
     "max_model_len": None,  # the model's max positions
     "trust_remote_code": False,
     "entry_point": None,
+    "install_requirements": True,
     "output_formatter": "json",
     "tgi_compat": False,
     "predict_timeout": 120,
@@ -907,3 +908,21 @@ def test_max_degree_resolves_to_what_the_caller_says_max_means(tmp_path):
     on_gpus = load_config(tmp_path, {}, num_devices=4).config
     assert on_cpu.tensor_parallel_degree == 1 and on_cpu.engine == "MPI"
     assert on_gpus.tensor_parallel_degree == 4 and on_gpus.engine == "MPI"
+
+
+# --- a model dir with its own handler (model.py) ---------------------------------------------
+
+
+@pytest.mark.parametrize("properties", ["", "engine=Python\n", "engine=Python\nbatch_size=4\n"])
+def test_a_user_handler_serves_with_dynamic_batching(tmp_path, properties):
+    (tmp_path / "serving.properties").write_text(properties)
+    resolved = load_config(tmp_path, {}, num_devices=1, user_handler=True)
+    assert (resolved.config.engine, resolved.config.rolling_batch) == ("Python", "disable")
+    assert "the model's own handle() serves" in resolved.engine_line
+
+
+@pytest.mark.parametrize("properties", ["engine=MPI\n", "option.rolling_batch=vllm\n"])
+def test_a_user_handler_with_the_rolling_batch_is_refused(tmp_path, properties):
+    (tmp_path / "serving.properties").write_text(properties)
+    with pytest.raises(ConfigError, match="runs with engine=Python and dynamic batching"):
+        load_config(tmp_path, {}, num_devices=1, user_handler=True)

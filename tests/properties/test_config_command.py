@@ -90,7 +90,7 @@ def test_environment_only_without_a_properties_file(tmp_path):
         {
             "HF_MODEL_ID": "HuggingFaceTB/SmolLM2-135M",
             "MAX_BATCH_SIZE": "16",
-            "OPTION_ENTRYPOINT": "custom.py",
+            "OPTION_ENTRYPOINT": "djl_python.lmi_vllm.vllm_async_service",
             "OPTION_ENGINE": "MPI",
             "SERVING_MIN_WORKERS": "1",
         },
@@ -99,7 +99,10 @@ def test_environment_only_without_a_properties_file(tmp_path):
     table = rows(result.stdout)
     assert table["option.model_id"] == ("'HuggingFaceTB/SmolLM2-135M'", "env HF_MODEL_ID")
     assert table["option.max_rolling_batch_size"] == ("16", "env MAX_BATCH_SIZE")
-    assert table["option.entryPoint"] == ("'custom.py'", "env OPTION_ENTRYPOINT")
+    assert table["option.entryPoint"] == (
+        "'djl_python.lmi_vllm.vllm_async_service'",
+        "env OPTION_ENTRYPOINT",
+    )
     assert table["engine"] == ("'MPI'", "env OPTION_ENGINE")
     assert table["minWorkers"] == ("1", "env SERVING_MIN_WORKERS")
     assert table["option.rolling_batch"][0] == "'auto'"

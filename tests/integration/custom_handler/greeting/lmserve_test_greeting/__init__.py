@@ -1,0 +1,2 @@
+def greet(greeting):
+    return f"{greeting} from a package requirements.txt installed"
