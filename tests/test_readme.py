@@ -1,0 +1,13 @@
+"""The README's custom-handler example is the handler the integration tests serve."""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_shows_the_tested_model_py():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Custom handlers", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    tested = (ROOT / "tests/integration/custom_handler/model.py").read_text()
+    assert example == tested
