@@ -8,7 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from lmserve.handlers.user_code import EntryPoint, UserCodeError, find_entry_point
+from lmserve.handlers.formatters import load_formatters
+from lmserve.handlers.user_code import EntryPoint, UserCodeError, defines_handle, find_entry_point
 from lmserve.properties.config import (
     ConfigError,
     ResolvedConfig,
@@ -19,7 +20,7 @@ from lmserve.properties.config import (
 from lmserve.rolling_batch.gguf_convert import GGUFError
 from lmserve.rolling_batch.runtime import Runtime
 
-from .launcher import Supervisor, make_ipc_dir, unsupported_settings
+from .launcher import Supervisor, make_ipc_dir
 from .model_store import ModelStoreError, resolve_model, served_model_dir
 from .requirements_install import RequirementsError, install_requirements
 from .s3_download import S3Error
@@ -39,18 +40,20 @@ def count_gpus() -> int:
     return len(list(gpus.iterdir())) if gpus.is_dir() else 0
 
 
-def _load(model_dir: Path | None) -> tuple[ResolvedConfig, EntryPoint | None]:
-    """The configuration, and the model dir's own handler if it brings one (it decides the
-    engine, so the configuration is read again knowing it)."""
+def _load(model_dir: Path | None) -> tuple[ResolvedConfig, EntryPoint | None, bool]:
+    """(the configuration, the model dir's own Python if it brings some, whether that defines
+    handle()). A handle() decides the engine, so the configuration is read again knowing it;
+    a module without one brings formatters for the LLM handler."""
     resolved = _read_config(model_dir)
     entry = find_entry_point(resolved.config.entry_point, model_dir)
-    if entry is not None:
+    is_handler = entry is not None and defines_handle(entry)
+    if is_handler:
         resolved = _read_config(model_dir, user_handler=True)
     if resolved.engine_line is not None:
         log.info("%s", resolved.engine_line)
     for ignored in resolved.ignored:
         log.warning("%s", ignored)
-    return resolved, entry
+    return resolved, entry, is_handler
 
 
 def _read_config(model_dir: Path | None, user_handler: bool = False) -> ResolvedConfig:
@@ -70,11 +73,8 @@ def _read_config(model_dir: Path | None, user_handler: bool = False) -> Resolved
 def serve(args: argparse.Namespace) -> int:
     model_dir = args.model_dir if args.model_dir is not None else default_model_dir()
     served = served_model_dir(model_dir)  # a model store's one model: its own folder and file
-    resolved, entry = _load(served)
+    resolved, entry, is_handler = _load(served)
     config = resolved.config
-    problems = unsupported_settings(config)
-    if problems:
-        raise ConfigError(problems)
     if config.max_workers > 1:
         log.warning(
             "maxWorkers=%d: lmserve runs one engine process; on these cores more copies would"
@@ -100,13 +100,19 @@ def serve(args: argparse.Namespace) -> int:
         model.source,
         model.path,
     )
+    formatters = entry.location if entry is not None and not is_handler else None
+    # Loaded here first, so that a broken model.py or formatter name stops start-up clearly.
+    user_dir = str(served) if served is not None else None
+    load_formatters(formatters, user_dir, config.output_formatter)
     runtime = Runtime(
         config,
         model.name,
         str(model.path),
         model.source,
         make_ipc_dir(),
-        entry_point=None if entry is None else str(entry.path or entry.module),
+        entry_point=entry.location if is_handler else None,
+        formatters=formatters,
+        user_dir=user_dir,
     )
     return Supervisor(runtime, args.host, port).run()
 

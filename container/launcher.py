@@ -167,15 +167,3 @@ def _stop_group(child: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     child.wait()
-
-
-def unsupported_settings(config: ServingConfig) -> list[str]:
-    """Settings this build accepts in the file but cannot serve yet: refused at start-up rather
-    than silently ignored."""
-    problems = []
-    if config.output_formatter not in ("json", "jsonlines", "sse"):
-        problems.append(
-            f"option.output_formatter={config.output_formatter!r}: formatter functions from"
-            " model.py are not supported yet (json, jsonlines, sse are)"
-        )
-    return problems

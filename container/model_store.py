@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lmserve.handlers.user_code import DEFAULT_ENTRY_POINT, find_entry_point
+from lmserve.handlers.user_code import DEFAULT_ENTRY_POINT, defines_handle, find_entry_point
 from lmserve.properties.config import PROPERTIES_FILE, ServingConfig
 from lmserve.rolling_batch.gguf_convert import EMBEDDED_NAME, embedded_gguf
 from lmserve.rolling_batch.model_source import ModelSourceError, as_hf_dir, holds_model_files
@@ -55,7 +55,8 @@ def served_model_dir(model_dir: Path | None) -> Path | None:
 def resolve_model(config: ServingConfig, model_dir: Path | None, cache_dir: Path) -> ResolvedModel:
     """`model_dir` as given (or the default one); `config` was read from `served_model_dir`."""
     folder = served_model_dir(model_dir)
-    if folder is not None and find_entry_point(config.entry_point, folder) is not None:
+    entry = find_entry_point(config.entry_point, folder) if folder is not None else None
+    if entry is not None and defines_handle(entry):
         # A user's handler loads what it wants from its own folder, model files or not, as
         # DJL hands it model_dir (and its option.model_id, if any, to read itself).
         return ResolvedModel(folder, folder.name, str(folder))

@@ -2,15 +2,23 @@
 
 Text payloads (`{"inputs": ..., "parameters": ...}` or text/plain) get DJL's shape, TGI's with
 option.tgi_compat; bodies with `messages` (and everything on /v1/chat/completions) are OpenAI
-chat. Generation itself, and the promise that every accepted request ends in exactly one
-answer, is the Predictor's (handlers/predictor.py).
+chat. A model.py's input and output formatters (handlers/formatters.py), if it has them,
+reshape text requests on the way in and their answers on the way out. Generation itself, and the
+promise that every accepted request ends in exactly one answer, is the Predictor's
+(handlers/predictor.py).
 """
 
 from __future__ import annotations
 
+import json
+
+import msgspec
+
 from lmserve.rolling_batch.runtime import Runtime
 
 from .chat import is_chat, parse_chat
+from .djl_io import Input
+from .formatters import FormattedGeneration, load_formatters
 from .interface import EngineConnection, HandlerRequest, HandlerResponse, Route
 from .predictor import PredictionError, Predictor
 from .request_parsing import BadRequest, load_payload, parse_payload
@@ -23,6 +31,9 @@ class LLMHandler:
     def __init__(self, runtime: Runtime, engine: EngineConnection):
         self.config = runtime.config
         self.predictor = Predictor(runtime, engine)
+        self.formatters = load_formatters(
+            runtime.formatters, runtime.user_dir, self.config.output_formatter
+        )
 
     def handle(self, request: HandlerRequest) -> HandlerResponse:
         try:
@@ -33,7 +44,7 @@ class LLMHandler:
             return error.response()
 
     def _answer(self, request: HandlerRequest) -> HandlerResponse:
-        payload = load_payload(request.body, request.content_type)
+        payload = self._payload(request)
         if request.route is Route.CHAT_COMPLETIONS or is_chat(payload):
             chat = parse_chat(payload)
             answer = self.predictor.chat(chat, request.request_id)
@@ -41,6 +52,8 @@ class LLMHandler:
                 return HandlerResponse(stream=answer, content_type=_SSE)
             return HandlerResponse(json=answer)
         parsed = parse_payload(payload)
+        if self.formatters.output is not None:
+            return self._formatted(parsed, request.request_id)
         stream_kind = self._stream_kind(parsed.stream, request.accept)
         if stream_kind is None:
             return HandlerResponse(json=self.predictor.predict(parsed, request.request_id))
@@ -54,6 +67,37 @@ class LLMHandler:
         stream = self.predictor.stream(parsed, request.request_id, fmt)
         return HandlerResponse(stream=stream, content_type=fmt.content_type)
 
+    def _payload(self, request: HandlerRequest) -> dict:
+        """The request's JSON payload, through the model.py's input formatter if it has one."""
+        if self.formatters.input is None:
+            return load_payload(request.body, request.content_type)
+        headers = dict(request.headers)
+        if request.content_type:
+            headers["content-type"] = request.content_type
+        try:
+            formatted = self.formatters.input(Input.from_request(headers, request.body))
+        except Exception as error:  # noqa: BLE001 - the user's code: its failure, named
+            raise BadRequest("body", f"the input formatter failed: {error!r}") from None
+        if isinstance(formatted, dict):
+            return formatted
+        if hasattr(formatted, "input_text"):  # DJL's TextInput
+            return {"inputs": formatted.input_text, "parameters": formatted.parameters or {}}
+        kind = type(formatted).__name__
+        raise BadRequest("body", f"the input formatter returned a {kind}, not a dict or TextInput")
+
+    def _formatted(self, parsed, request_id: str) -> HandlerResponse:
+        """A text request answered through the model.py's output formatter."""
+        formatter = self.formatters.output
+        parameters = msgspec.structs.asdict(parsed.params)
+        shaped = FormattedGeneration(
+            formatter, parsed.inputs[0], parameters, request_id, self.config.tgi_compat
+        )
+        if parsed.stream:
+            stream = self.predictor.stream(parsed, request_id, shaped)
+            return HandlerResponse(stream=stream, content_type=shaped.content_type)
+        body = self.predictor.predict_shaped(parsed, request_id, shaped)
+        return HandlerResponse(body=body.encode(), content_type=_content_type_of(body))
+
     def _stream_kind(self, asked: bool, accept: str) -> str | None:
         """jsonlines or sse when option.output_formatter or the request asks to stream; a
         streaming request that accepts text/event-stream gets SSE."""
@@ -63,3 +107,11 @@ class LLMHandler:
         if not asked:
             return None
         return "sse" if _SSE in accept else "jsonlines"
+
+
+def _content_type_of(body: str) -> str:
+    try:
+        json.loads(body)
+    except ValueError:
+        return "text/plain; charset=utf-8"
+    return "application/json"

@@ -100,23 +100,11 @@ class Predictor:
                 done = generation.finish_reason is not None
                 tokens = list(zip(event.token_ids, event.log_probs))
                 for index, (token, log_prob) in enumerate(tokens):
-                    text = detokenizer.add(token)
-                    last = detokenizer.stopped or (done and index == len(tokens) - 1)
-                    completion = None
-                    if last:
-                        text += detokenizer.finish()
-                        reason = (
-                            "stop_sequence" if detokenizer.stopped else generation.finish_reason
-                        )
-                        completion = Completion(
-                            prompt,
-                            detokenizer.text,
-                            detokenizer.token_ids,
-                            generation.log_probs[: len(detokenizer.token_ids)],
-                            reason,
-                        )
-                    special = token in self.tokenizer.special_ids
-                    yield responder.token(token, text, log_prob, special, completion)
+                    final = done and index == len(tokens) - 1
+                    piece, last = self._shape_token(
+                        prompt, generation, token, log_prob, final, detokenizer, responder
+                    )
+                    yield piece
                     if last:
                         done = True
                         return
@@ -127,6 +115,46 @@ class Predictor:
         finally:
             # A client that went away (or a stop sequence) ends the request in the engine too.
             self.client.finish(engine_id, abort=not done or detokenizer.stopped)
+
+    def _shape_token(self, prompt, generation, token, log_prob, final, detokenizer, responder):
+        """(`responder`'s piece for this token, whether it is the last one: the generation's
+        final token, or the one that completed a stop sequence)."""
+        text = detokenizer.add(token)
+        last = detokenizer.stopped or final
+        completion = None
+        if last:
+            text += detokenizer.finish()
+            reason = "stop_sequence" if detokenizer.stopped else generation.finish_reason
+            completion = Completion(
+                prompt,
+                detokenizer.text,
+                detokenizer.token_ids,
+                generation.log_probs[: len(detokenizer.token_ids)],
+                reason,
+            )
+        special = token in self.tokenizer.special_ids
+        return responder.token(token, text, log_prob, special, completion), last
+
+    def predict_shaped(self, request: TextRequest, request_id: str, responder) -> str:
+        """One input's whole answer as `responder` shapes it token by token (a model.py's
+        output formatter): its pieces joined, as DJL joins a formatter's strings."""
+        if request.batched:
+            raise BadRequest("inputs", "a custom output formatter answers one input per request")
+        prompt = request.inputs[0]
+        prompt_ids = self.prompt_ids(prompt, request.params.max_new_tokens)
+        (generation,) = self._generate_all([prompt_ids], request.params, request_id)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.stop_sequences)
+        tokens = list(zip(generation.token_ids, generation.log_probs))
+        pieces = []
+        for index, (token, log_prob) in enumerate(tokens):
+            final = index == len(tokens) - 1
+            piece, last = self._shape_token(
+                prompt, generation, token, log_prob, final, detokenizer, responder
+            )
+            pieces.append(piece)
+            if last:
+                break
+        return "".join(pieces)
 
     def chat(self, chat: ChatRequest, request_id: str):
         """A `chat.completion`, or (streaming) the iterator of its chunks."""

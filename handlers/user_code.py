@@ -9,6 +9,7 @@ handler here. A user module that defines `handle` replaces the LLM handler.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import sys
@@ -46,6 +47,41 @@ class EntryPoint:
     name: str  # as the user wrote it, for messages
     path: Path | None = None
     module: str | None = None
+
+    @property
+    def location(self) -> str:
+        """What another process needs to load it again (`from_location`)."""
+        return str(self.path) if self.path is not None else str(self.module)
+
+    @classmethod
+    def from_location(cls, location: str) -> EntryPoint:
+        if location.endswith(".py"):
+            return cls(Path(location).name, path=Path(location))
+        return cls(location, module=location)
+
+
+def defines_handle(entry: EntryPoint) -> bool:
+    """Whether the module has a top-level `handle` (then it replaces the LLM handler; else its
+    formatters wrap it). Read from the source, without running the user's code; a module whose
+    source cannot be found counts as a handler and says what is wrong when it loads."""
+    path = entry.path
+    if path is None:
+        spec = importlib.util.find_spec(entry.module) if entry.module else None
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+            return True
+        path = Path(spec.origin)
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except (OSError, SyntaxError, ValueError):
+        return True  # loading it reports the problem with the user's own traceback
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "handle":
+            return True
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "handle" for target in node.targets
+        ):
+            return True
+    return False
 
 
 def find_entry_point(entry_point: str | None, model_dir: Path | None) -> EntryPoint | None:

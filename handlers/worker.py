@@ -123,12 +123,7 @@ def load_user_handler_work(runtime: Runtime, entry_point: str) -> tuple[BatchWor
     from .user_handler_work import UserHandlerWork
 
     model_dir = Path(runtime.model_path)
-    is_file = entry_point.endswith(".py")
-    entry = EntryPoint(
-        entry_point,
-        path=Path(entry_point) if is_file else None,
-        module=None if is_file else entry_point,
-    )
+    entry = EntryPoint.from_location(entry_point)
     started = time.monotonic()
     service = UserHandlerService(load(entry, model_dir), entry_point)
     service.initialize(handler_properties(runtime))

@@ -89,9 +89,11 @@ def tensor_parallel_degree(text_value: str) -> int | str:
 
 def output_formatter(text_value: str) -> str:
     value = text_value.strip()
-    if value in ("json", "jsonlines", "sse") or value.isidentifier():
+    module, _, function = value.rpartition(":")
+    dotted = all(part.isidentifier() for part in module.split(".")) if module else True
+    if value in ("json", "jsonlines", "sse") or (function.isidentifier() and dotted):
         return value
-    raise ValueError("json, jsonlines, sse, or the name of a function in model.py")
+    raise ValueError("json, jsonlines, sse, a function in model.py, or <module>:<function>")
 
 
 def unsupported(what: str) -> Callable[[str], Any]:

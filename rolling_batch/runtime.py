@@ -26,6 +26,9 @@ class Runtime:
     # The user's handler (engine=Python): a .py file's path or a dotted module name; None when
     # lmserve's LLM handler serves.
     entry_point: str | None = None
+    # A model.py (or entryPoint) without handle(): its formatters wrap the LLM handler.
+    formatters: str | None = None
+    user_dir: str | None = None  # the model dir the user's code lives in (on its sys.path)
 
     @property
     def engine_address(self) -> str:
@@ -44,6 +47,8 @@ class Runtime:
             "model_source": self.model_source,
             "ipc_dir": self.ipc_dir,
             "entry_point": self.entry_point,
+            "formatters": self.formatters,
+            "user_dir": self.user_dir,
         }
         _write_atomically(path, json.dumps(payload))
         return path

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import queue
+import sys
 
 import pytest
 
@@ -77,11 +78,21 @@ def tokenizer(smollm2_dir):
 
 
 def make_handler(
-    smollm2_dir, tokenizer, behaviour="answer", **env
+    smollm2_dir, tokenizer, behaviour="answer", formatters=None, **env
 ) -> tuple[LLMHandler, FakeEngine]:
+    """`formatters`: a model.py (path) whose formatters wrap the handler."""
     environ = {"OPTION_MAX_MODEL_LEN": "128", **env}
     config = load_config(None, environ).config
-    runtime = Runtime(config, "smollm2", str(smollm2_dir), "test", "/nonexistent")
+    user_dir = str(formatters.parent) if formatters else None
+    runtime = Runtime(
+        config,
+        "smollm2",
+        str(smollm2_dir),
+        "test",
+        "/nonexistent",
+        formatters=str(formatters) if formatters else None,
+        user_dir=user_dir,
+    )
     eos_id = tokenizer.encode("<|im_end|>", add_special_tokens=False)[0]
     engine = FakeEngine(tokenizer, eos_id, behaviour)
     return LLMHandler(runtime, engine), engine
@@ -244,3 +255,82 @@ def test_a_client_that_leaves_mid_stream_aborts_the_request(smollm2_dir, tokeniz
     next(answer.stream)
     answer.stream.close()  # what the WSGI server does when the connection drops
     assert engine.finished[engine.messages[0].id] == [True]
+
+
+FORMATTERS = """
+import json
+
+from djl_python.input_parser import input_formatter
+from djl_python.output_formatter import output_formatter
+
+
+@input_formatter
+def from_question(input_item):
+    request = input_item.get_as_json()
+    return {
+        "inputs": f"Q: {request['question']} A:",
+        "parameters": {"max_new_tokens": 40},
+        "stream": request.get("stream", False),
+    }
+
+
+@output_formatter
+def one_line_per_token(output):
+    sequence = output.sequences[output.best_sequence_index]
+    pieces = []
+    while sequence.has_next_token():
+        token, first, last = sequence.get_next_token()
+        line = {"t": token.text, "first": first}
+        if last:
+            line["finish"] = sequence.finish_reason
+            line["prompt"] = output.input.input_text
+        pieces.append(json.dumps(line) + "\\n")
+    return "".join(pieces)
+"""
+
+
+@pytest.fixture
+def formatters_file(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(FORMATTERS)
+    yield path
+    sys.modules.pop("model", None)
+
+
+def test_model_py_formatters_reshape_request_and_answer(smollm2_dir, tokenizer, formatters_file):
+    handler, engine = make_handler(smollm2_dir, tokenizer, formatters=formatters_file)
+    answer = call(handler, {"question": "Capital of France?"})
+    assert answer.status == 200 and answer.content_type.startswith("text/plain")
+    lines = [json.loads(line) for line in answer.body.decode().splitlines()]
+    assert "".join(line["t"] for line in lines) == REPLY
+    assert [line["first"] for line in lines] == [True] + [False] * (len(lines) - 1)
+    assert lines[-1]["finish"] == "eos_token" and lines[-1]["prompt"] == "Q: Capital of France? A:"
+    assert engine.messages[0].prompt_ids == tokenizer.encode("Q: Capital of France? A:")
+
+
+def test_output_formatter_streams_its_strings(smollm2_dir, tokenizer, formatters_file):
+    handler, engine = make_handler(smollm2_dir, tokenizer, formatters=formatters_file)
+    answer = call(handler, {"question": "x", "stream": True})
+    assert answer.content_type == "application/jsonlines"
+    pieces = [json.loads(piece) for piece in answer.stream]
+    assert len(pieces) == len(engine.reply_ids) + 1  # one string per token, EOS included
+    assert "".join(piece["t"] for piece in pieces) == REPLY
+    assert pieces[0]["first"] and pieces[-1]["finish"] == "eos_token"
+
+
+def test_input_formatter_failure_is_a_400_naming_the_body(smollm2_dir, tokenizer, formatters_file):
+    handler, engine = make_handler(smollm2_dir, tokenizer, formatters=formatters_file)
+    answer = call(handler, {"no_question": 1})
+    assert (answer.status, answer.json["field"]) == (400, "body")
+    assert "the input formatter failed: KeyError('question')" in answer.json["message"]
+    assert engine.messages == []
+
+
+def test_output_formatter_by_option_name(smollm2_dir, tokenizer, formatters_file):
+    handler, _ = make_handler(
+        smollm2_dir,
+        tokenizer,
+        formatters=formatters_file,
+        OPTION_OUTPUT_FORMATTER="model:one_line_per_token",
+    )
+    assert handler.formatters.output.__name__ == "one_line_per_token"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from ..servers import Server
+from ..servers import Server, write_properties
 
 HANDLER_DIR = Path(__file__).with_name("custom_handler")
 
@@ -90,3 +90,54 @@ def test_handler_that_fails_to_load_stops_start_up(tmp_path):
     assert code != 0
     log = server.log()
     assert "ZeroDivisionError" in log and "my_handler.py" in log
+
+
+FORMATTERS = """
+import json
+
+from djl_python.input_parser import input_formatter
+from djl_python.output_formatter import output_formatter
+
+
+@input_formatter
+def from_question(input_item):
+    request = input_item.get_as_json()
+    parameters = {"max_new_tokens": 5, "ignore_eos_token": True}
+    return {"inputs": request["question"], "parameters": parameters, "stream": request["stream"]}
+
+
+@output_formatter
+def token_lines(output):
+    sequence = output.sequences[output.best_sequence_index]
+    lines = []
+    while sequence.has_next_token():
+        token, _, last = sequence.get_next_token()
+        lines.append(json.dumps({"id": token.id, "last": last}) + "\\n")
+    return "".join(lines)
+"""
+
+
+def test_model_py_formatters_wrap_the_rolling_batch(tiny_model_dir, tmp_path):
+    """A model.py with formatters and no handle(): the default engine (the rolling batch over
+    MPI) serves, the formatters shape what goes in and out, streamed or not."""
+    model_dir = write_properties(tmp_path / "formatted", {"option.model_id": tiny_model_dir})
+    (model_dir / "model.py").write_text(FORMATTERS)
+    server = Server(model_dir)
+    try:
+        server.wait_healthy()
+        whole = requests.post(
+            f"{server.url}/invocations", json={"question": "Hi", "stream": False}, timeout=60
+        )
+        with requests.post(
+            f"{server.url}/invocations",
+            json={"question": "Hi", "stream": True},
+            stream=True,
+            timeout=60,
+        ) as streamed:
+            pieces = [json.loads(line) for line in streamed.iter_lines() if line]
+    finally:
+        assert server.stop() == 0
+    assert "rolling batch" in server.log()
+    lines = [json.loads(line) for line in whole.text.splitlines()]
+    assert [line["last"] for line in lines] == [False] * 4 + [True]
+    assert pieces == lines  # greedy: the same tokens either way
