@@ -66,7 +66,10 @@ def defines_handle(entry: EntryPoint) -> bool:
     source cannot be found counts as a handler and says what is wrong when it loads."""
     path = entry.path
     if path is None:
-        spec = importlib.util.find_spec(entry.module) if entry.module else None
+        try:
+            spec = importlib.util.find_spec(entry.module) if entry.module else None
+        except (ImportError, ValueError):  # a parent package that is not there
+            return True
         if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
             return True
         path = Path(spec.origin)

@@ -14,7 +14,13 @@ import pytest
 from lmserve.handlers import djl_compat
 from lmserve.handlers.custom_service import HandlerError, RawRequest, UserHandlerService
 from lmserve.handlers.djl_io import Input, Output
-from lmserve.handlers.user_code import UserCodeError, find_entry_point, load
+from lmserve.handlers.user_code import (
+    EntryPoint,
+    UserCodeError,
+    defines_handle,
+    find_entry_point,
+    load,
+)
 
 ECHO = """
 from djl_python import Input, Output
@@ -227,3 +233,14 @@ def test_real_djl_python_is_left_alone(monkeypatch):
     monkeypatch.setitem(sys.modules, "djl_python", real)
     djl_compat.install()
     assert sys.modules["djl_python"] is real
+
+
+def test_a_model_py_is_a_handler_only_if_it_defines_handle(tmp_path):
+    formatters_only = "from djl_python.output_formatter import output_formatter\n"
+    write_handler(
+        tmp_path, formatters_only + "@output_formatter\ndef shape(output):\n    return ''\n"
+    )
+    assert not defines_handle(find_entry_point(None, tmp_path))  # read, not run: no import
+    write_handler(tmp_path, ECHO)
+    assert defines_handle(find_entry_point(None, tmp_path))
+    assert defines_handle(EntryPoint("x", module="package_that_is_not_there.handler"))
