@@ -52,7 +52,7 @@ class EngineClient:
         return read_state(self.runtime)
 
     def submit(
-        self, message: protocol.GenerateRequest | protocol.StatsRequest
+        self, message: protocol.GenerateRequest | protocol.HandleRequest | protocol.StatsRequest
     ) -> queue.SimpleQueue[protocol.Event]:
         """Sends `message`; the events for its id arrive on the returned queue."""
         events: queue.SimpleQueue[protocol.Event] = queue.SimpleQueue()

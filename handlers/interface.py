@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from lmserve.rolling_batch import protocol
+
 
 class Route(StrEnum):
     """Which inference route a request came in on."""
@@ -63,6 +65,6 @@ class EngineConnection(Protocol):
     """What a handler that generates needs from the engine client (container/engine_client.py):
     submit a message and read its events; stop following a request, or abort it."""
 
-    def submit(self, message: dict) -> queue.SimpleQueue[dict]: ...
+    def submit(self, message: protocol.ToEngine) -> queue.SimpleQueue[protocol.Event]: ...
 
     def finish(self, request_id: str, abort: bool) -> None: ...

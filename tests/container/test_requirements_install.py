@@ -14,7 +14,7 @@ from lmserve.container.requirements_install import RequirementsError, install_re
 
 
 def local_package(folder, name="lmserve_test_greeting"):
-    """A package directory pip can install without the network, depending on msgpack (which
+    """A package directory pip can install without the network, depending on msgspec (which
     the serving environment has)."""
     (folder / name).mkdir(parents=True)
     (folder / name / "__init__.py").write_text("def greet(who):\n    return f'hello, {who}'\n")
@@ -27,7 +27,7 @@ def local_package(folder, name="lmserve_test_greeting"):
             [project]
             name = "{name.replace("_", "-")}"
             version = "1.0"
-            dependencies = ["msgpack"]
+            dependencies = ["msgspec"]
             """
         )
     )
@@ -44,7 +44,7 @@ def test_requirements_install_into_an_overlay_the_engine_can_import(tmp_path, ca
     site_packages = install_requirements(model_dir, tmp_path / "cache")
     installed = sorted(p.name for p in site_packages.iterdir())
     assert "lmserve_test_greeting" in installed
-    assert not any(name.startswith("msgpack") for name in installed)  # the server's own copy
+    assert not any(name.startswith("msgspec") for name in installed)  # the server's own copy
     run = subprocess.run(
         [sys.executable, "-c", "import lmserve_test_greeting as g; print(g.greet('you'))"],
         env={"PYTHONPATH": str(site_packages)},

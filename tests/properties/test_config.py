@@ -162,7 +162,7 @@ def test_plain_server_keys_from_the_file(tmp_path):
         ("option.output_formatter=jsonlines", "output_formatter", "jsonlines"),
         ("option.output_formatter=sse", "output_formatter", "sse"),
         ("option.output_formatter=my_formatter", "output_formatter", "my_formatter"),
-        ("option.output_formatter=formats.text:as_text", "output_formatter", "formats.text:as_text"),
+        ("option.output_formatter=fmt.text:shape", "output_formatter", "fmt.text:shape"),
         ("option.tgi_compat=true", "tgi_compat", True),
         ("option.predict_timeout=30", "predict_timeout", 30),
         ("option.model_loading_timeout=1200", "model_loading_timeout", 1200),
