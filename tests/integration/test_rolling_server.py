@@ -110,4 +110,4 @@ def test_concurrent_greedy_requests_match_hf(tmp_path, workload, variant):
         assert (
             f"engine=Python with option.rolling_batch={variant['option.rolling_batch']}: serving"
             " with lmserve's rolling batch over MPI ranks (tensor_parallel_degree=2)"
-        ) in server.log()
+        ) in server.log_path.read_text()
