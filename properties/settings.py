@@ -137,8 +137,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("minWorkers", "min_workers", integer(1), 1),
     Setting("maxWorkers", "max_workers", integer(1), 1),
     Setting("port", "port", integer(1), 8080),
-    # DJL's default request size limit (bytes).
-    Setting("max_request_size", "max_request_size", integer(1), 6553500),
+    # Bytes; DJL's ConfigManager default (DEF_MAX_REQUEST_SIZE = 64 * 1024 * 1024).
+    Setting("max_request_size", "max_request_size", integer(1), 64 * 1024 * 1024),
     # engine options (option.*, OPTION_*)
     Setting("option.model_id", "model_id", text, None, ("HF_MODEL_ID",)),
     Setting("option.revision", "revision", text, None, ("HF_REVISION",)),

@@ -50,7 +50,7 @@ CONTRACT_DEFAULTS = {
     "min_workers": 1,
     "max_workers": 1,
     "port": 8080,
-    "max_request_size": 6553500,
+    "max_request_size": 64 * 1024 * 1024,  # DJL ConfigManager's DEF_MAX_REQUEST_SIZE
     "model_id": None,  # the model dir itself, decided by the model store
     "revision": None,
     "task": "text-generation",
