@@ -186,9 +186,11 @@ def _merge_sources(
     known_by_normalized = {normalized(s.key): s.key for s in SETTINGS}
     # Lowest precedence first; later writes win.
     for setting in SETTINGS:
-        for name in reversed(setting.env_aliases):
+        for alias in reversed(setting.env_aliases):
+            name = alias if isinstance(alias, str) else alias.name
             if environ.get(name, "") != "":
-                merged[setting.key] = (environ[name], f"env {name}")
+                text = environ[name] if isinstance(alias, str) else alias.translate(environ[name])
+                merged[setting.key] = (text, f"env {name}")
     for name in sorted(environ):
         key = _key_for_env_name(name, known_by_normalized)
         if key is not None:

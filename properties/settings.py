@@ -10,13 +10,24 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class EnvAlias:
+    """An environment name whose value is in other units than its key's: `translate` turns the
+    variable's text into the key's (SAGEMAKER_MAX_PAYLOAD_IN_MB is MiB, max_request_size bytes).
+    Text it cannot translate is passed on as it is, so the key's parser names the problem."""
+
+    name: str
+    translate: Callable[[str], str]
+
+
+@dataclass(frozen=True)
 class Setting:
     key: str  # as written in serving.properties, e.g. "batch_size" or "option.dtype"
     field: str  # ServingConfig attribute
     parse: Callable[[str], Any]
     default: Any  # INFERRED: decided from other settings after parsing
-    # Environment names after OPTION_*/SERVING_*, in precedence order (LMI names, then TGI's).
-    env_aliases: tuple[str, ...] = ()
+    # Environment names after OPTION_*/SERVING_*, in precedence order (LMI names, then TGI's
+    # and SageMaker's).
+    env_aliases: tuple[str | EnvAlias, ...] = ()
 
 
 INFERRED = object()
@@ -126,7 +137,19 @@ def only_boolean(allowed: bool, why: str) -> Callable[[str], bool]:
     return parse
 
 
+def mebibytes_as_bytes(text_value: str) -> str:
+    try:
+        return str(int(text_value.strip()) * 1024 * 1024)
+    except ValueError:
+        return text_value
+
+
 ROLLING_BATCH_ALIASES = ("scheduler", "lmi-dist", "vllm")
+
+# The SageMaker names DJL translates (wlm/.../util/SageMakerCompatibility.java). DJL lets them
+# override serving.properties; here, like the other aliases, they apply only where neither the
+# file nor an OPTION_*/SERVING_* variable sets the key.
+SAGEMAKER_NUM_MODEL_WORKERS = "SAGEMAKER_NUM_MODEL_WORKERS"  # both minWorkers and maxWorkers
 
 SETTINGS: tuple[Setting, ...] = (
     # server keys (plain, SERVING_*)
@@ -134,11 +157,21 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("batch_size", "batch_size", integer(1), 1),
     Setting("max_batch_delay", "max_batch_delay", integer(0), 100),
     Setting("job_queue_size", "job_queue_size", integer(1), 1000, ("MAX_CONCURRENT_REQUESTS",)),
-    Setting("minWorkers", "min_workers", integer(1), 1),
-    Setting("maxWorkers", "max_workers", integer(1), 1),
+    Setting("minWorkers", "min_workers", integer(1), 1, (SAGEMAKER_NUM_MODEL_WORKERS,)),
+    Setting("maxWorkers", "max_workers", integer(1), 1, (SAGEMAKER_NUM_MODEL_WORKERS,)),
     Setting("port", "port", integer(1), 8080),
     # Bytes; DJL's ConfigManager default (DEF_MAX_REQUEST_SIZE = 64 * 1024 * 1024).
-    Setting("max_request_size", "max_request_size", integer(1), 64 * 1024 * 1024),
+    Setting(
+        "max_request_size",
+        "max_request_size",
+        integer(1),
+        64 * 1024 * 1024,
+        # Bytes, else MiB; DJL too prefers SAGEMAKER_MAX_REQUEST_SIZE when both are set.
+        (
+            "SAGEMAKER_MAX_REQUEST_SIZE",
+            EnvAlias("SAGEMAKER_MAX_PAYLOAD_IN_MB", mebibytes_as_bytes),
+        ),
+    ),
     # engine options (option.*, OPTION_*)
     Setting("option.model_id", "model_id", text, None, ("HF_MODEL_ID",)),
     Setting("option.revision", "revision", text, None, ("HF_REVISION",)),
@@ -210,8 +243,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("option.install_requirements", "install_requirements", boolean, True),
     Setting("option.output_formatter", "output_formatter", output_formatter, "json"),
     Setting("option.tgi_compat", "tgi_compat", boolean, False),
-    Setting("option.predict_timeout", "predict_timeout", integer(1), 120),
-    Setting("option.model_loading_timeout", "model_loading_timeout", integer(1), 240),
+    Setting(
+        "option.predict_timeout",
+        "predict_timeout",
+        integer(1),
+        120,
+        ("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS",),
+    ),
+    Setting(
+        "option.model_loading_timeout",
+        "model_loading_timeout",
+        integer(1),
+        240,
+        ("SAGEMAKER_STARTUP_TIMEOUT",),
+    ),
     # false (default): a dead engine ends the server non-zero and the platform replaces the
     # container; true: the supervisor restarts the engine in place (a few times).
     Setting("option.restart_engine_on_failure", "restart_engine_on_failure", boolean, False),

@@ -271,6 +271,16 @@ def test_syntax_error_in_the_file_is_a_config_error_naming_file_and_line(tmp_pat
         ("MAX_BATCH_PREFILL_TOKENS", "1000", "max_rolling_batch_prefill_tokens", 1000, None),
         ("MAX_CONCURRENT_REQUESTS", "64", "job_queue_size", 64, "job_queue_size"),
         ("HF_MODEL_TRUST_REMOTE_CODE", "true", "trust_remote_code", True, None),
+        ("SAGEMAKER_STARTUP_TIMEOUT", "600", "model_loading_timeout", 600, None),
+        ("SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS", "240", "predict_timeout", 240, None),
+        ("SAGEMAKER_MAX_REQUEST_SIZE", "1000", "max_request_size", 1000, "max_request_size"),
+        (
+            "SAGEMAKER_MAX_PAYLOAD_IN_MB",
+            "10",
+            "max_request_size",
+            10 * 1024 * 1024,
+            "max_request_size",
+        ),
     ],
 )
 def test_environment_variable_sets_its_key(tmp_path, name, text, field, value, key):
@@ -287,6 +297,20 @@ def test_tensor_parallel_degree_from_lmi_and_sagemaker_names(name):
     assert resolved.config.tensor_parallel_degree == 2
     assert resolved.config.engine == "MPI"  # more than one rank needs the MPI engine
     assert resolved.sources["option.tensor_parallel_degree"] == f"env {name}"
+
+
+def test_sagemaker_num_model_workers_sets_min_and_max_workers():
+    resolved = load_config(None, {"SAGEMAKER_NUM_MODEL_WORKERS": "2"})
+    assert (resolved.config.min_workers, resolved.config.max_workers) == (2, 2)
+    assert resolved.sources["minWorkers"] == "env SAGEMAKER_NUM_MODEL_WORKERS"
+    assert resolved.sources["maxWorkers"] == "env SAGEMAKER_NUM_MODEL_WORKERS"
+
+
+def test_sagemaker_max_request_size_wins_over_max_payload_in_mb():
+    environ = {"SAGEMAKER_MAX_REQUEST_SIZE": "5000", "SAGEMAKER_MAX_PAYLOAD_IN_MB": "10"}
+    resolved = load_config(None, environ)
+    assert resolved.config.max_request_size == 5000
+    assert resolved.sources["max_request_size"] == "env SAGEMAKER_MAX_REQUEST_SIZE"
 
 
 def test_hf_model_id_alone_deploys_without_a_properties_file():
@@ -428,6 +452,42 @@ def test_lmi_env_wins_over_tgi_alias(lmi_name, tgi_name, field, key):
     resolved = load_config(None, {lmi_name: "11", tgi_name: "99"})
     assert getattr(resolved.config, field) == 11
     assert resolved.sources[key] == f"env {lmi_name}"
+
+
+@pytest.mark.parametrize(
+    ("lmi_name", "sagemaker_name", "field", "key"),
+    [
+        (
+            "OPTION_PREDICT_TIMEOUT",
+            "SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS",
+            "predict_timeout",
+            "option.predict_timeout",
+        ),
+        (
+            "OPTION_MODEL_LOADING_TIMEOUT",
+            "SAGEMAKER_STARTUP_TIMEOUT",
+            "model_loading_timeout",
+            "option.model_loading_timeout",
+        ),
+        ("SERVING_MIN_WORKERS", "SAGEMAKER_NUM_MODEL_WORKERS", "min_workers", "minWorkers"),
+        ("SERVING_MAX_REQUEST_SIZE", "SAGEMAKER_MAX_REQUEST_SIZE", "max_request_size", None),
+        ("SERVING_MAX_REQUEST_SIZE", "SAGEMAKER_MAX_PAYLOAD_IN_MB", "max_request_size", None),
+    ],
+)
+def test_lmi_env_wins_over_sagemaker_name(lmi_name, sagemaker_name, field, key):
+    resolved = load_config(None, {lmi_name: "11", sagemaker_name: "99"})
+    assert getattr(resolved.config, field) == 11
+    assert resolved.sources[key or field] == f"env {lmi_name}"
+
+
+def test_file_wins_over_sagemaker_names(tmp_path):
+    resolved = load(
+        tmp_path,
+        "option.predict_timeout=30\nmax_request_size=2048\n",
+        {"SAGEMAKER_MODEL_SERVER_TIMEOUT_SECONDS": "600", "SAGEMAKER_MAX_PAYLOAD_IN_MB": "100"},
+    )
+    assert (resolved.config.predict_timeout, resolved.config.max_request_size) == (30, 2048)
+    assert resolved.sources["max_request_size"] == "serving.properties line 2"
 
 
 def test_option_trust_remote_code_wins_over_hf_model_trust_remote_code():
@@ -789,6 +849,14 @@ def test_each_invalid_setting_is_one_problem_naming_key_value_and_allowed(
         ),
         ({"OPTION_ENGINE": "Rust"}, ["engine='Rust'", "env OPTION_ENGINE", "Python, MPI"]),
         ({"HF_TASK": "fill-mask"}, ["option.task='fill-mask'", "env HF_TASK", "text-generation"]),
+        (
+            {"SAGEMAKER_MAX_PAYLOAD_IN_MB": "ten"},
+            ["max_request_size='ten'", "env SAGEMAKER_MAX_PAYLOAD_IN_MB", "integer"],
+        ),
+        (
+            {"SAGEMAKER_STARTUP_TIMEOUT": "-1"},
+            ["option.model_loading_timeout='-1'", "env SAGEMAKER_STARTUP_TIMEOUT", "integer"],
+        ),
     ],
 )
 def test_invalid_environment_values_name_the_variable(environ, fragments):
