@@ -8,6 +8,8 @@ own engine socket and I/O thread. Every response, errors included, is JSON and c
 from __future__ import annotations
 
 import logging
+import select
+import socket
 import uuid
 
 from flask import Flask, Response, g, jsonify, request
@@ -114,6 +116,7 @@ def create_app(runtime_path: str) -> Flask:
             request_id=g.request_id,
             route=route,
             headers=dict(request.headers),
+            client_gone=_hang_up_check(request.environ),
         )
         return _http_response(handler.handle(handler_request))
 
@@ -148,6 +151,23 @@ def create_app(runtime_path: str) -> Flask:
         return {**stats, "stats_age_seconds": round(age, 3)}
 
     return app
+
+
+def _hang_up_check(environ: dict):
+    """A check whether the client closed its connection: gunicorn hands over the socket, and a
+    closed peer makes it readable with nothing to read."""
+    client = environ.get("gunicorn.socket")
+    if client is None:
+        return lambda: False
+
+    def gone() -> bool:
+        try:
+            readable, _, _ = select.select([client], [], [], 0)
+            return bool(readable) and client.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):  # reset by the peer, or already closed
+            return True
+
+    return gone
 
 
 def _http_response(answer: HandlerResponse) -> Response:

@@ -43,6 +43,7 @@ class EngineClient:
         self._latest_stats: tuple[dict, float] | None = None  # (stats, monotonic time received)
         self._refresh_sent_at: float | None = None  # a refresh request awaits its answer
         self._was_ready = False
+        self._last_heard = time.monotonic()  # when the engine last sent this worker a frame
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._thread = threading.Thread(target=self._run, name="engine-io", daemon=True)
@@ -67,6 +68,12 @@ class EngineClient:
             self._waiters.pop(request_id, None)
         if abort:
             self._send(protocol.AbortRequest(request_id))
+
+    def last_heard(self) -> float:
+        """When (time.monotonic()) the engine last sent this worker anything. While requests
+        wait, the I/O thread asks for stats often enough that an engine that goes on stepping
+        is heard from within a step: a long silence is a step (or batch) that does not end."""
+        return self._last_heard
 
     def stats(self, timeout: float) -> tuple[dict, float] | None:
         """(the engine's stats, their age in seconds): a fresh answer when the engine gives
@@ -126,7 +133,10 @@ class EngineClient:
         if self._refresh_sent_at is not None and now - self._refresh_sent_at < _REFRESH_RETRY_S:
             return
         latest = self._latest_stats
-        if latest is not None and now - latest[1] < _STATS_REFRESH_S:
+        interval = _STATS_REFRESH_S
+        if self._waiters:  # requests wait: keep hearing from the engine well within a timeout
+            interval = min(interval, self.runtime.config.predict_timeout / 3)
+        if latest is not None and now - latest[1] < interval:
             return
         self._refresh_sent_at = now
         socket.send(protocol.encode(protocol.StatsRequest(_REFRESH_ID)))
@@ -149,6 +159,7 @@ class EngineClient:
                 frame = socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._last_heard = time.monotonic()
             try:
                 events = protocol.decode_events(frame)
             except protocol.MalformedFrame as error:

@@ -54,6 +54,19 @@ class DynamicBatcher:
                     return request
         return None
 
+    def pop_expired(self, arrived_before: float) -> list[PendingRequest]:
+        """Removes and returns the requests that arrived before `arrived_before` and still
+        wait (their batch never started)."""
+        expired = []
+        for key in list(self._groups):
+            group = self._groups[key]
+            expired += [r for r in group if r.arrived_at < arrived_before]
+            group[:] = [r for r in group if r.arrived_at >= arrived_before]
+            if not group:
+                del self._groups[key]
+        self.num_queued -= len(expired)
+        return expired
+
     def seconds_until_due(self, now: float) -> float | None:
         """How long the engine may sleep before a batch is due; None when nothing is queued."""
         if not self._groups:

@@ -2,8 +2,8 @@
 process (engine=Python with a model.py), so each request goes there as it came (body and
 headers) and its answer comes back as it is: status, headers, and the body whole or in pieces.
 
-option.predict_timeout bounds the wait for the answer to begin and, when it is streamed, for
-each next piece; a stream has no deadline while pieces flow."""
+option.predict_timeout bounds how long the engine may stay silent (a batch that does not end);
+a streamed answer has no deadline while pieces flow."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ class ForwardingHandler:
             headers["content-type"] = request.content_type
         request_id = request.request_id
         events = self.engine.submit(protocol.HandleRequest(request_id, request.body, headers))
+        submitted = time.monotonic()
         try:
-            reply = self._next(events)
+            reply = self._next(events, submitted)
         except PredictionError as error:
             self.engine.finish(request_id, abort=True)
             return error.response()
@@ -49,16 +50,16 @@ class ForwardingHandler:
             )
         return HandlerResponse(
             reply.status,
-            stream=self._pieces(request_id, events),
+            stream=self._pieces(request_id, events, submitted),
             content_type=content_type,
             headers=answer_headers,
         )
 
-    def _pieces(self, request_id: str, events: queue.SimpleQueue) -> Iterator[bytes]:
+    def _pieces(self, request_id: str, events: queue.SimpleQueue, since: float) -> Iterator[bytes]:
         done = False
         try:
             while not done:
-                chunk = self._next(events)
+                chunk = self._next(events, since)
                 if not isinstance(chunk, protocol.ChunkEvent):
                     raise PredictionError(500, f"a {type(chunk).__name__} inside a stream")
                 done = chunk.last
@@ -71,5 +72,5 @@ class ForwardingHandler:
             # A client that went away ends the request in the engine too.
             self.engine.finish(request_id, abort=not done)
 
-    def _next(self, events: queue.SimpleQueue) -> protocol.Event:
-        return next_event(events, time.monotonic() + self.timeout_s, self.timeout_s)
+    def _next(self, events: queue.SimpleQueue, since: float) -> protocol.Event:
+        return next_event(events, self.engine, since, self.timeout_s)

@@ -10,7 +10,7 @@ request: it answers with an error response (status + a message naming the field)
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
@@ -33,6 +33,8 @@ class HandlerRequest:
     route: Route = Route.INVOCATIONS
     # The request's headers (DJL hands them to handlers as the input's properties).
     headers: Mapping[str, str] = field(default_factory=dict)
+    # Whether the HTTP client has hung up (checked while a request waits for its answer).
+    client_gone: Callable[[], bool] = field(default=lambda: False)
 
     @property
     def accept(self) -> str:
@@ -68,3 +70,7 @@ class EngineConnection(Protocol):
     def submit(self, message: protocol.ToEngine) -> queue.SimpleQueue[protocol.Event]: ...
 
     def finish(self, request_id: str, abort: bool) -> None: ...
+
+    def last_heard(self) -> float:
+        """When (time.monotonic()) the engine last answered this front end anything."""
+        ...

@@ -20,7 +20,7 @@ from .chat import is_chat, parse_chat
 from .djl_io import Input
 from .formatters import FormattedGeneration, load_formatters
 from .interface import EngineConnection, HandlerRequest, HandlerResponse, Route
-from .predictor import PredictionError, Predictor
+from .predictor import ClientGone, PredictionError, Predictor
 from .request_parsing import BadRequest, load_payload, parse_payload
 from .stream_format import StreamFormat
 
@@ -42,21 +42,24 @@ class LLMHandler:
             return HandlerResponse.error(error.status, str(error), field=error.field)
         except PredictionError as error:
             return error.response()
+        except ClientGone:  # nobody reads this; the engine has dropped the request
+            return HandlerResponse.error(499, "the client closed the connection")
 
     def _answer(self, request: HandlerRequest) -> HandlerResponse:
         payload = self._payload(request)
         if request.route is Route.CHAT_COMPLETIONS or is_chat(payload):
             chat = parse_chat(payload)
-            answer = self.predictor.chat(chat, request.request_id)
+            answer = self.predictor.chat(chat, request.request_id, request.client_gone)
             if chat.stream:
                 return HandlerResponse(stream=answer, content_type=_SSE)
             return HandlerResponse(json=answer)
         parsed = parse_payload(payload)
         if self.formatters.output is not None:
-            return self._formatted(parsed, request.request_id)
+            return self._formatted(parsed, request)
         stream_kind = self._stream_kind(parsed.stream, request.accept)
         if stream_kind is None:
-            return HandlerResponse(json=self.predictor.predict(parsed, request.request_id))
+            answer = self.predictor.predict(parsed, request.request_id, request.client_gone)
+            return HandlerResponse(json=answer)
         fmt = StreamFormat(
             stream_kind,
             self.config.tgi_compat,
@@ -85,9 +88,10 @@ class LLMHandler:
         kind = type(formatted).__name__
         raise BadRequest("body", f"the input formatter returned a {kind}, not a dict or TextInput")
 
-    def _formatted(self, parsed, request_id: str) -> HandlerResponse:
+    def _formatted(self, parsed, request: HandlerRequest) -> HandlerResponse:
         """A text request answered through the model.py's output formatter."""
         formatter = self.formatters.output
+        request_id = request.request_id
         parameters = msgspec.structs.asdict(parsed.params)
         shaped = FormattedGeneration(
             formatter, parsed.inputs[0], parameters, request_id, self.config.tgi_compat
@@ -95,7 +99,7 @@ class LLMHandler:
         if parsed.stream:
             stream = self.predictor.stream(parsed, request_id, shaped)
             return HandlerResponse(stream=stream, content_type=shaped.content_type)
-        body = self.predictor.predict_shaped(parsed, request_id, shaped)
+        body = self.predictor.predict_shaped(parsed, request_id, shaped, request.client_gone)
         return HandlerResponse(body=body.encode(), content_type=_content_type_of(body))
 
     def _stream_kind(self, asked: bool, accept: str) -> str | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from lmserve.rolling_batch import protocol
@@ -21,6 +21,13 @@ from .outputs import Completion, complete, shape_response, to_json
 from .request_parsing import BadRequest, TextRequest
 from .stream_format import StreamFormat
 from .tokenizer import Tokenizer
+
+# How often a waiting request looks at the engine's liveness.
+_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    """The HTTP client hung up before its answer was ready."""
 
 
 @dataclass
@@ -57,9 +64,9 @@ class Predictor:
         self.max_model_len = context_length_of(runtime.model_path, runtime.config.max_model_len)
         self.chat_template = ChatTemplate(runtime.model_path)
 
-    def predict(self, request: TextRequest, request_id: str) -> dict | list:
+    def predict(self, request: TextRequest, request_id: str, client_gone=None) -> dict | list:
         prompts = [self.prompt_ids(text, request.params.max_new_tokens) for text in request.inputs]
-        generations = self._generate_all(prompts, request.params, request_id)
+        generations = self._generate_all(prompts, request.params, request_id, client_gone)
         outputs = [
             self._output(text, generation, request)
             for text, generation in zip(request.inputs, generations)
@@ -80,18 +87,18 @@ class Predictor:
         by `responder` (`.token(...)`, `.error(...)`)."""
         engine_id = f"{request_id}/0"
         events = self.client.submit(protocol.GenerateRequest(engine_id, prompt_ids, params))
-        deadline = self._deadline()
+        submitted = time.monotonic()
         try:
-            first = self._next_event(events, deadline)
+            first = self._next_event(events, submitted)
         except PredictionError:
             self.client.finish(engine_id, abort=True)
             raise
         detokenizer = IncrementalDetokenizer(self.tokenizer, stop_sequences)
         return self._stream_events(
-            prompt, engine_id, events, first, deadline, detokenizer, responder
+            prompt, engine_id, events, first, submitted, detokenizer, responder
         )
 
-    def _stream_events(self, prompt, engine_id, events, event, deadline, detokenizer, responder):
+    def _stream_events(self, prompt, engine_id, events, event, since, detokenizer, responder):
         generation = _Generation()
         done = False
         try:
@@ -108,7 +115,7 @@ class Predictor:
                     if last:
                         done = True
                         return
-                event = self._next_event(events, deadline)
+                event = self._next_event(events, since)
         except PredictionError as error:
             done = True  # the engine already dropped it
             yield responder.error(error.status, error.message)
@@ -135,14 +142,14 @@ class Predictor:
         special = token in self.tokenizer.special_ids
         return responder.token(token, text, log_prob, special, completion), last
 
-    def predict_shaped(self, request: TextRequest, request_id: str, responder) -> str:
+    def predict_shaped(self, request: TextRequest, request_id: str, responder, client_gone=None):
         """One input's whole answer as `responder` shapes it token by token (a model.py's
         output formatter): its pieces joined, as DJL joins a formatter's strings."""
         if request.batched:
             raise BadRequest("inputs", "a custom output formatter answers one input per request")
         prompt = request.inputs[0]
         prompt_ids = self.prompt_ids(prompt, request.params.max_new_tokens)
-        (generation,) = self._generate_all([prompt_ids], request.params, request_id)
+        (generation,) = self._generate_all([prompt_ids], request.params, request_id, client_gone)
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.stop_sequences)
         tokens = list(zip(generation.token_ids, generation.log_probs))
         pieces = []
@@ -156,7 +163,7 @@ class Predictor:
                 break
         return "".join(pieces)
 
-    def chat(self, chat: ChatRequest, request_id: str):
+    def chat(self, chat: ChatRequest, request_id: str, client_gone=None):
         """A `chat.completion`, or (streaming) the iterator of its chunks."""
         prompt = self.chat_template.render(chat.messages)
         prompt_ids = self.prompt_ids(
@@ -171,7 +178,7 @@ class Predictor:
             return self.stream_prompt(
                 prompt, prompt_ids, chat.params, chat.stop_sequences, request_id, responder
             )
-        (generation,) = self._generate_all([prompt_ids], chat.params, request_id)
+        (generation,) = self._generate_all([prompt_ids], chat.params, request_id, client_gone)
         completion = complete(
             self.tokenizer,
             prompt,
@@ -182,20 +189,22 @@ class Predictor:
         )
         return responder.completion(completion)
 
-    def _generate_all(self, prompts, params, request_id: str) -> list[_Generation]:
+    def _generate_all(self, prompts, params, request_id: str, client_gone) -> list[_Generation]:
+        """Every prompt's whole generation (not streamed). `client_gone()` says whether the
+        HTTP client hung up meanwhile: then the engine drops the requests at once."""
         engine_ids = [f"{request_id}/{index}" for index in range(len(prompts))]
         queues = [
             self.client.submit(protocol.GenerateRequest(i, p, params, stream=False))
             for i, p in zip(engine_ids, prompts)
         ]
-        deadline = self._deadline()
+        submitted = time.monotonic()
         finished: set[str] = set()
         try:
             generations = []
             for engine_id, events in zip(engine_ids, queues):
                 generation = _Generation()
                 while generation.finish_reason is None:
-                    generation.add(self._next_event(events, deadline))
+                    generation.add(self._next_event(events, submitted, client_gone))
                 finished.add(engine_id)
                 generations.append(generation)
             return generations
@@ -243,22 +252,37 @@ class Predictor:
             )
         return prompt_ids
 
-    def _deadline(self) -> float:
-        return time.monotonic() + self.runtime.config.predict_timeout
-
-    def _next_event(self, events: queue.SimpleQueue, deadline: float) -> protocol.Event:
-        return next_event(events, deadline, self.runtime.config.predict_timeout)
+    def _next_event(self, events: queue.SimpleQueue, since: float, client_gone=None):
+        timeout_s = self.runtime.config.predict_timeout
+        return next_event(events, self.client, since, timeout_s, client_gone)
 
 
-def next_event(events: queue.SimpleQueue, deadline: float, timeout_s: float) -> protocol.Event:
-    """The engine's next event for a request; PredictionError for an error event, or when
-    none came by `deadline` (the request's option.predict_timeout, `timeout_s`)."""
-    try:
-        event = events.get(timeout=max(0.0, deadline - time.monotonic()))
-    except queue.Empty:
-        raise PredictionError(
-            424, f"prediction timed out after {timeout_s} s (option.predict_timeout)"
-        ) from None
-    if isinstance(event, protocol.ErrorEvent):
-        raise PredictionError(event.status, event.message)
-    return event
+def next_event(
+    events: queue.SimpleQueue,
+    engine: EngineConnection,
+    since: float,
+    timeout_s: float,
+    client_gone: Callable[[], bool] | None = None,
+) -> protocol.Event:
+    """The engine's next event for a request submitted at `since`. option.predict_timeout
+    (`timeout_s`), as in DJL, bounds a wait for the engine, never a generation's length: only
+    an engine silent that long (no answer to this worker since `since`: a step or batch that
+    does not end) fails the request. PredictionError for that and for an error event;
+    ClientGone when `client_gone()` says the HTTP client hung up."""
+    while True:
+        try:
+            event = events.get(timeout=_POLL_S)
+        except queue.Empty:
+            if client_gone is not None and client_gone():
+                raise ClientGone() from None
+            silent = time.monotonic() - max(engine.last_heard(), since)
+            if silent > timeout_s:
+                raise PredictionError(
+                    424,
+                    f"the engine was silent for {silent:.0f} s, over option.predict_timeout"
+                    f" ({timeout_s} s): a step or batch did not finish",
+                ) from None
+            continue
+        if isinstance(event, protocol.ErrorEvent):
+            raise PredictionError(event.status, event.message)
+        return event

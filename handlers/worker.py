@@ -50,6 +50,7 @@ class PythonEngineLoop:
         )
         self.batch_sizes: Counter[int] = Counter()
         self.http_responses: Counter[int] = Counter()  # counted here so all web workers agree
+        self.slot_timeout_s = config.predict_timeout
 
     def run_forever(self) -> None:
         poller = zmq.Poller()
@@ -59,9 +60,20 @@ class PythonEngineLoop:
             timeout_ms = _IDLE_POLL_MS if wait is None else int(wait * 1000) + 1
             if poller.poll(timeout_ms):
                 drain_router(self.socket, self._handle)
+            self.expire_waiting(time.monotonic())
             batch = self.batcher.next_batch(time.monotonic())
             if batch:
                 self.run_batch(batch)
+
+    def expire_waiting(self, now: float) -> None:
+        """option.predict_timeout bounds the wait for a batch: requests queued longer (behind
+        long batches) are answered instead of waiting on."""
+        for request in self.batcher.pop_expired(now - self.slot_timeout_s):
+            message = (
+                f"no batch started within {self.slot_timeout_s:g} s (option.predict_timeout);"
+                " the server is busy, retry later"
+            )
+            self._send(request.reply_to, protocol.ErrorEvent(request.request_id, 503, message))
 
     def run_batch(self, batch: list[PendingRequest]) -> None:
         if self.work.run(batch, self._send):

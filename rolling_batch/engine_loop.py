@@ -44,6 +44,7 @@ class RollingEngine:
         eos_token_ids: set[int],
         max_waiting: int,
         world_size: int = 1,
+        slot_timeout_s: float | None = None,
     ):
         self.execute = execute
         self.scheduler = scheduler
@@ -52,6 +53,8 @@ class RollingEngine:
         self.eos_token_ids = eos_token_ids
         self.max_waiting = max_waiting
         self.world_size = world_size
+        # option.predict_timeout: how long a request may wait for its place in the batch.
+        self.slot_timeout_s = slot_timeout_s
         self.stats = EngineStats()
         self._unstreamed: set[Request] = set()  # answered with one final event
         blocks = scheduler.blocks
@@ -69,8 +72,27 @@ class RollingEngine:
                     timer.restart()  # waiting for work is not step time
                 drain_router(self.socket, self._handle)
             timer.mark("intake")
+            self._expire_waiting(time.monotonic())
             if self.scheduler.has_work():
                 self.step(timer)
+
+    def _expire_waiting(self, now: float) -> None:
+        """Answers the requests that waited longer than option.predict_timeout for a place in
+        the batch and never got one. A request that has produced tokens is never cut (a
+        preempted one waits again, but it is under way)."""
+        if self.slot_timeout_s is None:
+            return
+        expired = [
+            request
+            for request in self.scheduler.waiting
+            if request.first_token_time is None and now - request.arrival_time > self.slot_timeout_s
+        ]
+        if expired:
+            message = (
+                f"no place in the running batch within {self.slot_timeout_s:g} s"
+                " (option.predict_timeout); the server is busy, retry later"
+            )
+            self._fail(expired, 503, message)
 
     def step(self, timer: PhaseTimer | None = None) -> None:
         timer = timer or PhaseTimer()

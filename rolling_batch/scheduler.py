@@ -167,10 +167,11 @@ class Scheduler:
         return None
 
     def fail(self, requests: list[Request]) -> None:
-        """Ends `requests` after a failed step (blocks freed); the batch goes on without them."""
+        """Ends `requests`, running or waiting (blocks freed); the batch goes on without them."""
         for request in requests:
-            if request in self.running:
-                self.running.remove(request)
+            for queue in (self.running, self.waiting):
+                if request in queue:
+                    queue.remove(request)
             self.finish(request, "error")
 
     def check_invariants(self) -> None:

@@ -77,6 +77,7 @@ def main() -> None:
         eos,
         max_waiting=config.job_queue_size,
         world_size=comm.Get_size(),
+        slot_timeout_s=config.predict_timeout,
     )
     engine.run_forever()
 

@@ -80,3 +80,13 @@ def test_queue_limit_and_removal():
     assert batcher.can_add()
     assert ids(batcher.next_batch(1.0)) == ["b"]
     assert batcher.remove("b") is None
+
+
+def test_requests_waiting_too_long_are_taken_out():
+    batcher = DynamicBatcher(batch_size=4, max_batch_delay_s=10.0, max_queued=10)
+    batcher.add(request("old", 0.0))
+    batcher.add(request("sampled", 0.5, SAMPLED))
+    batcher.add(request("new", 5.0))
+    assert ids(batcher.pop_expired(arrived_before=1.0)) == ["old", "sampled"]
+    assert batcher.num_queued == 1
+    assert ids(batcher.next_batch(20.0)) == ["new"]

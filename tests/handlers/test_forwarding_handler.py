@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import queue
+import time
 
 from lmserve.handlers.forwarding_handler import ForwardingHandler
 from lmserve.handlers.interface import HandlerRequest
@@ -19,6 +20,7 @@ class ScriptedEngine:
         self.events = events
         self.messages: list = []
         self.finished: list[tuple[str, bool]] = []
+        self.created = time.monotonic()
 
     def submit(self, message):
         self.messages.append(message)
@@ -29,6 +31,9 @@ class ScriptedEngine:
 
     def finish(self, request_id, abort):
         self.finished.append((request_id, abort))
+
+    def last_heard(self):
+        return self.created  # heard from once: a silent engine from then on
 
 
 def forward(engine, body=b'{"a": 1}', **headers):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import queue
 import sys
+import threading
+import time
 
 import pytest
 
@@ -19,13 +21,15 @@ from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
 
 REPLY = " Paris is the capital of France."
+SLOW_S = 2.5  # a generation longer than the tests' option.predict_timeout of 1 s
 
 
 class FakeEngine:
     """Answers each generate message with the tokens of REPLY (cut to max_new_tokens), the way
     the rolling engine does: a token event per token when streamed, then a final event.
-    `behaviour` "silent" never answers, "refuse" sends a 503 error event, "fail_midway" sends
-    one token and then an error."""
+    `behaviour` "silent" never answers (and is never heard from), "refuse" sends a 503 error
+    event, "fail_midway" sends one token and then an error, "slow" takes `SLOW_S` to answer a
+    request that is not streamed while the engine keeps answering between its steps."""
 
     def __init__(self, tokenizer: Tokenizer, eos_id: int, behaviour: str = "answer"):
         self.reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
@@ -33,12 +37,19 @@ class FakeEngine:
         self.behaviour = behaviour
         self.messages: list[protocol.GenerateRequest] = []
         self.finished: dict[str, list[bool]] = {}  # request id -> abort flags, in order
+        self._heard = time.monotonic()
+
+    def last_heard(self) -> float:
+        return self._heard
 
     def submit(self, message: protocol.GenerateRequest) -> queue.SimpleQueue[protocol.Event]:
         self.messages.append(message)
         events: queue.SimpleQueue[protocol.Event] = queue.SimpleQueue()
         request_id = message.id
         if self.behaviour == "silent":
+            return events
+        if self.behaviour == "slow":
+            threading.Thread(target=self._answer_slowly, args=(message, events)).start()
             return events
         if self.behaviour == "refuse":
             events.put(protocol.queue_full_event(request_id, 4))
@@ -58,6 +69,16 @@ class FakeEngine:
         else:
             events.put(protocol.FinalEvent(request_id, tokens, log_probs, reason, 1))
         return events
+
+    def _answer_slowly(self, message, events) -> None:
+        """Steps for SLOW_S; stats answers between steps keep it heard from."""
+        started = time.monotonic()
+        while time.monotonic() - started < SLOW_S:
+            time.sleep(0.1)
+            self._heard = time.monotonic()
+        tokens = self.reply_ids[: message.params.max_new_tokens]
+        final = protocol.FinalEvent(message.id, tokens, [-0.5] * len(tokens), "length", 1)
+        events.put(final)
 
     def finish(self, request_id: str, abort: bool) -> None:
         self.finished.setdefault(request_id, []).append(abort)
@@ -237,6 +258,17 @@ def test_silent_engine_times_out_with_424(smollm2_dir, tokenizer):
     assert answer.status == 424
     assert "option.predict_timeout" in answer.json["error"]
     assert engine.finished[engine.messages[0].id] == [True]  # the engine is told to drop it
+
+
+def test_a_generation_longer_than_predict_timeout_is_never_cut(smollm2_dir, tokenizer):
+    """option.predict_timeout bounds a wait for the engine, not a generation (DJL's meaning):
+    an engine that keeps stepping answers however long the request takes."""
+    handler, engine = make_handler(smollm2_dir, tokenizer, "slow", OPTION_PREDICT_TIMEOUT="1")
+    started = time.monotonic()
+    answer = call(handler, {"inputs": "Hi", "parameters": {"max_new_tokens": 3}})
+    assert time.monotonic() - started > SLOW_S
+    assert answer.status == 200 and answer.json == {"generated_text": " Paris is the"}
+    engine.assert_each_finished_once()
 
 
 def test_failure_after_the_first_token_ends_the_stream_with_an_error_event(smollm2_dir, tokenizer):

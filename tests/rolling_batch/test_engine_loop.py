@@ -8,6 +8,7 @@ engine goes on serving."""
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import pytest
@@ -217,3 +218,30 @@ def test_malformed_requests_are_answered_with_errors_and_the_engine_goes_on(sock
     assert isinstance(events[-1], protocol.FinalEvent)
     assert sum("malformed IPC message" in r.getMessage() for r in caplog.records) == 5
     engine.scheduler.check_invariants()
+
+
+def test_a_request_that_waits_past_predict_timeout_for_a_place_is_answered(sockets):
+    """option.predict_timeout bounds the wait for a place in the batch, never a request that is
+    under way: one running request outlives the timeout, one still waiting gets a 503."""
+    router, connect = sockets
+    scheduler = Scheduler(BlockManager(64, 16), 1, 256, 512)  # one request runs at a time
+    engine = RollingEngine(
+        fake_execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100, slot_timeout_s=5
+    )
+    dealer = connect()
+    submit(dealer, "running", [5], 50)
+    submit(dealer, "waiting", [6], 2)
+    wait_for_messages(router)
+    drain_router(engine.socket, engine._handle)
+    engine.step()  # "running" starts; "waiting" has no place
+    later = time.monotonic() + 6
+    engine._expire_waiting(later)
+    run_until_idle(engine)
+    events = receive_all(dealer)
+    (refused,) = [e for e in events if e.id == "waiting"]
+    assert isinstance(refused, protocol.ErrorEvent) and refused.status == 503
+    assert "option.predict_timeout" in refused.message
+    finals = [e for e in events if e.id == "running" and isinstance(e, protocol.FinalEvent)]
+    assert len(finals) == 1 and len([e for e in events if e.id == "running"]) == 50
+    engine.scheduler.check_invariants()
+    assert engine.scheduler.blocks.num_free == 64
