@@ -121,6 +121,7 @@ def create_app(runtime_path: str) -> Flask:
         return _http_response(handler.handle(handler_request))
 
     @app.get("/metrics")
+    @app.get("/server/metrics")  # DJL's path for its Prometheus text (GET only there too)
     def prometheus_metrics():
         state = client.state()
         body = metrics.render(_engine_stats(state), name)

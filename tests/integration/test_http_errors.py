@@ -169,3 +169,20 @@ def test_metrics_count_responses_by_status(server):
             counts[labels.split('status="')[1].split('"')[0]] = float(value)
     assert counts.get("400", 0) >= 1 and counts.get("200", 0) >= 1, text
     assert "lmserve_num_queued" in text
+
+
+def test_server_metrics_is_the_same_prometheus_text(server):
+    # DJL serves its Prometheus text at /server/metrics, GET only.
+    djl_path = requests.get(f"{server.url}/server/metrics", timeout=10)
+    assert djl_path.status_code == 200
+    assert djl_path.headers["content-type"].startswith("text/plain")
+    plain = requests.get(f"{server.url}/metrics", timeout=10)
+
+    def families(text: str) -> set[str]:
+        return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+
+    assert families(djl_path.text) == families(plain.text)
+    assert 'lmserve_up{model="' in djl_path.text
+    refused = requests.post(f"{server.url}/server/metrics", timeout=10)
+    assert refused.status_code == 405
+    assert refused.json()["code"] == 405
