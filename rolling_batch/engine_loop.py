@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
 import zmq
 
 from . import protocol
@@ -107,7 +108,9 @@ class RollingEngine:
             if self.world_size > 1:
                 raise  # the other ranks may be inside a collective: end the job
             log.exception("model step failed; failing its %d requests", len(out.requests))
-            self._fail(out.requests, 424, f"model step failed: {error!r}")
+            # Out of memory is 507, as engine=Python answers it: the request may fit later.
+            status = 507 if isinstance(error, (torch.OutOfMemoryError, MemoryError)) else 424
+            self._fail(out.requests, status, f"model step failed: {error!r}")
             return
         timer.mark("forward")
         try:

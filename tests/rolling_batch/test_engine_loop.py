@@ -245,3 +245,30 @@ def test_a_request_that_waits_past_predict_timeout_for_a_place_is_answered(socke
     assert len(finals) == 1 and len([e for e in events if e.id == "running"]) == 50
     engine.scheduler.check_invariants()
     assert engine.scheduler.blocks.num_free == 64
+
+
+def test_out_of_memory_in_a_step_is_507_and_the_engine_goes_on(sockets):
+    router, connect = sockets
+    calls = []
+
+    def execute(chunks):
+        calls.append(len(chunks))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return fake_execute(chunks)
+
+    scheduler = Scheduler(BlockManager(64, 16), 8, 256, 512)
+    engine = RollingEngine(execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100)
+    dealer = connect()
+    submit(dealer, "big", [5, 6], 2)
+    wait_for_messages(router)
+    run_until_idle(engine)
+    submit(dealer, "after", [7], 2)
+    wait_for_messages(router)
+    run_until_idle(engine)
+    events = receive_all(dealer)
+    (failed,) = [e for e in events if e.id == "big"]
+    assert isinstance(failed, protocol.ErrorEvent) and failed.status == 507
+    assert "out of memory" in failed.message
+    assert [type(e) for e in events if e.id == "after"][-1] is protocol.FinalEvent
+    assert engine.scheduler.blocks.num_free == 64
