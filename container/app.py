@@ -21,7 +21,7 @@ from lmserve.handlers.llm_handler import LLMHandler
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
 
-from . import metrics
+from . import metrics, model_status
 from .engine_client import EngineClient
 
 log = logging.getLogger("lmserve.http")
@@ -74,11 +74,11 @@ def create_app(runtime_path: str) -> Flask:
     @app.get("/ping")
     def ping():
         state = client.state()
+        status = model_status.health_status(state["state"])
         if state["state"] == protocol.EngineState.READY:
-            return jsonify({name: {"status": "Healthy"}})
-        if state["state"] == protocol.EngineState.FAILED:
-            return jsonify({name: {"status": "Failed", "reason": state.get("reason")}}), 500
-        return jsonify({name: {"status": "Loading", "reason": state.get("reason")}}), 503
+            return jsonify({name: {"status": status}})
+        code = 500 if state["state"] == protocol.EngineState.FAILED else 503
+        return jsonify({name: {"status": status, "reason": state.get("reason")}}), code
 
     @app.post("/invocations")
     def invocations():
@@ -132,11 +132,13 @@ def create_app(runtime_path: str) -> Flask:
         description = {
             "modelName": name,
             "modelUrl": runtime.model_source,
-            "status": state["state"],
+            "status": model_status.listed_status(state["state"]),
         }
         if detailed:
+            stats = _engine_stats(state)
+            description["status"] = model_status.health_status(state["state"], stats is not None)
             description["config"] = runtime.config.to_dict()
-            description["engine"] = {**state, "stats": _engine_stats(state)}
+            description["engine"] = {**state, "stats": stats}
         return description
 
     def _engine_stats(state: dict) -> dict | None:

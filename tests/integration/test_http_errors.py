@@ -142,13 +142,15 @@ def test_list_inputs_text_plain_and_model_routes(server):
     assert isinstance(response.json(), list) and len(response.json()) == 2
     plain = post(server, "Hello there", headers={"Content-Type": "text/plain"})
     assert plain.status_code == 200 and "generated_text" in plain.json()
-    name = requests.get(f"{server.url}/models", timeout=10).json()["models"][0]["modelName"]
+    (listed,) = requests.get(f"{server.url}/models", timeout=10).json()["models"]
+    assert listed["status"] == "READY"  # DJL's ListModelsResponse: the pool's status name
+    name = listed["modelName"]
     routed = post(
         server, {"inputs": "hi", "parameters": {"max_new_tokens": 2}}, path=f"/predictions/{name}"
     )
     assert routed.status_code == 200
     described = requests.get(f"{server.url}/models/{name}", timeout=10).json()
-    assert described["status"] == "ready"
+    assert described["status"] == "Healthy"  # DJL's DescribeWorkflowResponse
     assert described["config"]["job_queue_size"] == 2
     own_id = post(
         server,

@@ -46,7 +46,9 @@ def test_ping_is_503_while_loading_then_200(tmp_path, tiny_model_dir):
         loading = first_answer(server)
         assert loading.status_code == 503
         (status,) = loading.json().values()
-        assert status["status"] == "Loading"
+        assert status["status"] == "PENDING"  # DJL's word for a model still loading
+        (listed,) = requests.get(f"{server.url}/models", timeout=5).json()["models"]
+        assert listed["status"] in ("PENDING", "READY")  # READY if loading finished meanwhile
         early = requests.post(f"{server.url}/invocations", json={"inputs": "hi"}, timeout=10)
         assert early.status_code in (200, 503)  # 503 unless loading finished meanwhile
         server.wait_healthy()
@@ -155,15 +157,19 @@ def test_a_model_that_fails_to_load_says_why(tmp_path, tiny_model_dir):
     shutil.copytree(tiny_model_dir, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     server = Server(tiny_folder(tmp_path, broken))
-    reasons = []
+    reasons, statuses = [], set()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and server.process.poll() is None:
         try:
             ping = requests.get(f"{server.url}/ping", timeout=2)
             if ping.status_code == 500:
                 reasons.append(ping.json()[broken.name]["reason"])
+                statuses.add(ping.json()[broken.name]["status"])
+                described = requests.get(f"{server.url}/models/{broken.name}", timeout=2)
+                statuses.add(described.json()["status"])
         except requests.ConnectionError:
             pass
         time.sleep(0.1)
     assert server.stop() == 1
     assert reasons and "model failed to load" in reasons[0]
+    assert statuses == {"FAILED"}  # DJL's word, on /ping and /models/<name> alike
