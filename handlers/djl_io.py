@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
+
+from .custom_attributes import custom_attributes_of
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +65,16 @@ class Input:
         self.function_name: str | None = None
 
     @classmethod
-    def from_request(cls, headers: dict[str, str], body: bytes) -> Input:
-        """One HTTP request as DJL hands it over: headers as properties, the body as "data"."""
-        return cls(headers, Entries([("data", body)]))
+    def from_request(cls, headers: Mapping[str, str], body: bytes) -> Input:
+        """One HTTP request as DJL hands it over: headers as properties, the body as "data".
+        As in DJL, each SageMaker custom attribute (`key=value;...`) is a property of its own;
+        a header of the same name wins, so an attribute cannot change how the body is read."""
+        properties = dict(headers)
+        header_names = {name.lower() for name in headers}
+        for key, value in custom_attributes_of(headers).items():
+            if key.lower() not in header_names:
+                properties[key] = value
+        return cls(properties, Entries([("data", body)]))
 
     @classmethod
     def batch_of(cls, requests: list[Input]) -> Input:

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 from lmserve.rolling_batch import protocol
 
+from .custom_attributes import custom_attributes_of
+
 
 class Route(StrEnum):
     """Which inference route a request came in on."""
@@ -39,6 +41,12 @@ class HandlerRequest:
     @property
     def accept(self) -> str:
         return next((v for k, v in self.headers.items() if k.lower() == "accept"), "")
+
+    @property
+    def custom_attributes(self) -> dict[str, str]:
+        """SageMaker's X-Amzn-SageMaker-Custom-Attributes as `{key: value}` (see
+        custom_attributes.py); the header itself stays in `headers` as it came."""
+        return custom_attributes_of(self.headers)
 
 
 @dataclass(frozen=True)

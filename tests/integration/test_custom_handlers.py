@@ -44,6 +44,15 @@ def test_handler_answers_with_properties_headers_and_requirements(server):
     assert body["header"] == "test"
 
 
+def test_sagemaker_custom_attributes_reach_the_handler_as_properties(server):
+    attributes = {"X-Amzn-SageMaker-Custom-Attributes": "trace_id=abc-1; ids=1,2"}
+    assert invoke(server, {"n": 1}, **attributes).json()["trace_id"] == "abc-1"
+    # SageMaker passes any value on: one that is not key=value pairs is no error.
+    opaque = invoke(server, {"n": 2}, **{"X-Amzn-SageMaker-Custom-Attributes": "Trace ID: 7"})
+    assert opaque.status_code == 200
+    assert opaque.json()["trace_id"] is None
+
+
 def test_concurrent_requests_share_a_batch_and_get_their_own_answers(server):
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda n: invoke(server, {"n": n}).json(), range(4)))

@@ -34,6 +34,8 @@ def handle(inputs: Input) -> Output | None:
                 "echo": request,
                 "greeting": lmserve_test_greeting.greet(greeting),
                 "header": item.get_property("X-Caller"),
+                # From X-Amzn-SageMaker-Custom-Attributes: trace_id=...; each is a property.
+                "trace_id": item.get_property("trace_id"),
                 "batch_size": len(batch),
             },
             batch_index=index,
