@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import time
 import uuid
 
 from flask import Flask, Response, g, jsonify, request
@@ -29,7 +30,7 @@ log = logging.getLogger("lmserve.http")
 # A scrape waits this long for a fresh answer: the rolling engine answers between steps (tens
 # of ms), engine=Python between batches (seconds), when the engine client's copy serves.
 _STATS_TIMEOUT_S = 0.5
-_INFERENCE_ROUTES = ("invocations", "predictions", "chat_completions")
+_INFERENCE_ROUTES = ("invocations", "predictions", "chat_completions", "completions")
 
 
 def create_app(runtime_path: str) -> Flask:
@@ -42,6 +43,7 @@ def create_app(runtime_path: str) -> Flask:
         else ForwardingHandler(runtime, client)
     )
     app = Flask(__name__)
+    started_at = time.time()
     app.config["MAX_CONTENT_LENGTH"] = runtime.config.max_request_size
     name = runtime.model_name
 
@@ -92,6 +94,16 @@ def create_app(runtime_path: str) -> Flask:
     @app.post("/v1/chat/completions")
     def chat_completions():
         return _predict(name, Route.CHAT_COMPLETIONS)
+
+    @app.post("/v1/completions")
+    def completions():
+        return _predict(name, Route.COMPLETIONS)
+
+    @app.get("/v1/models")
+    def openai_models():
+        created = int(started_at)
+        card = {"id": name, "object": "model", "created": created, "owned_by": "lmserve"}
+        return jsonify({"object": "list", "data": [card]})
 
     @app.get("/models")
     def list_models():

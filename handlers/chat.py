@@ -22,7 +22,7 @@ from .outputs import Completion
 from .request_parsing import BadRequest, _ParameterReader
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
-_FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 
 
 @dataclass(frozen=True)
@@ -87,10 +87,24 @@ def parse_chat(payload: dict[str, Any]) -> ChatRequest:
     parsed = [_parse_message(index, message) for index, message in enumerate(messages)]
     reader = _ParameterReader(payload, prefix="")
     max_tokens = reader.integer("max_completion_tokens", None, minimum=1)
-    max_tokens = reader.integer("max_tokens", max_tokens or 30, minimum=1)
+    sampling = read_openai_sampling(reader, default_max_tokens=max_tokens or 30)
+    return ChatRequest(parsed, sampling.params, sampling.stop, sampling.stream, sampling.model)
+
+
+@dataclass(frozen=True)
+class OpenAISampling:
+    params: GenerationParams
+    stop: tuple[str, ...]
+    stream: bool
+    model: str | None
+
+
+def read_openai_sampling(reader: _ParameterReader, default_max_tokens: int) -> OpenAISampling:
+    """The parameters chat and completions share, with OpenAI's names and defaults
+    (`temperature` 1.0 samples, 0 is greedy). What lmserve cannot do is refused, not ignored."""
     temperature = reader.number("temperature", 1.0, minimum=0.0, maximum=2.0)
     params = GenerationParams(
-        max_new_tokens=max_tokens,
+        max_new_tokens=reader.integer("max_tokens", default_max_tokens, minimum=1),
         do_sample=temperature > 0,
         temperature=temperature if temperature > 0 else 1.0,
         top_p=reader.number("top_p", 1.0, minimum=0.0, exclusive_minimum=True, maximum=1.0),
@@ -101,12 +115,12 @@ def parse_chat(payload: dict[str, Any]) -> ChatRequest:
     for penalty in ("frequency_penalty", "presence_penalty"):
         if reader.number(penalty, 0.0, minimum=-2.0, maximum=2.0) != 0.0:
             raise BadRequest(penalty, "not supported (use 0)")
-    return ChatRequest(
-        parsed,
+    model = reader.raw.get("model")
+    return OpenAISampling(
         params,
         reader.stop_sequences("stop"),
         reader.boolean("stream", False),
-        payload.get("model") if isinstance(payload.get("model"), str) else None,
+        model if isinstance(model, str) else None,
     )
 
 
@@ -144,7 +158,7 @@ class ChatResponder:
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": completion.text},
-                    "finish_reason": _FINISH_REASONS.get(completion.finish_reason, "stop"),
+                    "finish_reason": FINISH_REASONS.get(completion.finish_reason, "stop"),
                 }
             ],
             "usage": self._usage(completion),
@@ -157,7 +171,7 @@ class ChatResponder:
             self._sent_role = True
         lines = [self._chunk(delta, None)]
         if completion is not None:
-            finish = _FINISH_REASONS.get(completion.finish_reason, "stop")
+            finish = FINISH_REASONS.get(completion.finish_reason, "stop")
             final = self._chunk({}, finish)
             final["usage"] = self._usage(completion)
             lines += [final]

@@ -25,6 +25,10 @@ class Route(StrEnum):
 
     INVOCATIONS = "invocations"  # /invocations and /predictions/<model>: any payload
     CHAT_COMPLETIONS = "chat_completions"  # /v1/chat/completions: OpenAI chat only
+    COMPLETIONS = "completions"  # /v1/completions: OpenAI's legacy completions
+
+
+OPENAI_ROUTES = (Route.CHAT_COMPLETIONS, Route.COMPLETIONS)  # errors in OpenAI's shape
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from lmserve.rolling_batch.runtime import Runtime
 from .chat import is_chat, parse_chat
 from .djl_io import Input
 from .formatters import FormattedGeneration, load_formatters
-from .interface import EngineConnection, HandlerRequest, HandlerResponse, Route
+from .interface import OPENAI_ROUTES, EngineConnection, HandlerRequest, HandlerResponse, Route
+from .openai_completions import CompletionResponder, parse_completion
 from .predictor import ClientGone, PredictionError, Predictor
 from .request_parsing import BadRequest, load_payload, parse_payload
 from .stream_format import StreamFormat
@@ -36,6 +37,12 @@ class LLMHandler:
         )
 
     def handle(self, request: HandlerRequest) -> HandlerResponse:
+        answer = self._handle(request)
+        if request.route in OPENAI_ROUTES and answer.status >= 400 and answer.json:
+            return _openai_error(answer)
+        return answer
+
+    def _handle(self, request: HandlerRequest) -> HandlerResponse:
         try:
             return self._answer(request)
         except BadRequest as error:
@@ -47,6 +54,8 @@ class LLMHandler:
 
     def _answer(self, request: HandlerRequest) -> HandlerResponse:
         payload = self._payload(request)
+        if request.route is Route.COMPLETIONS:
+            return self._completions(payload, request)
         if request.route is Route.CHAT_COMPLETIONS or is_chat(payload):
             chat = parse_chat(payload)
             answer = self.predictor.chat(chat, request.request_id, request.client_gone)
@@ -69,6 +78,25 @@ class LLMHandler:
         )
         stream = self.predictor.stream(parsed, request.request_id, fmt)
         return HandlerResponse(stream=stream, content_type=fmt.content_type)
+
+    def _completions(self, payload: dict, request: HandlerRequest) -> HandlerResponse:
+        parsed = parse_completion(payload)
+        sampling = parsed.sampling
+        model = sampling.model or self.predictor.runtime.model_name
+        responder = CompletionResponder(self.predictor.tokenizer, model, parsed)
+        if sampling.stream:
+            prompt = parsed.prompts[0]
+            prompt_ids = self.predictor.prompt_ids(
+                prompt, sampling.params.max_new_tokens, "prompt", "max_tokens"
+            )
+            stream = self.predictor.stream_prompt(
+                prompt, prompt_ids, sampling.params, sampling.stop, request.request_id, responder
+            )
+            return HandlerResponse(stream=stream, content_type=responder.content_type)
+        answers = self.predictor.complete_prompts(
+            parsed.prompts, sampling.params, sampling.stop, request.request_id, request.client_gone
+        )
+        return HandlerResponse(json=responder.completion(answers))
 
     def _payload(self, request: HandlerRequest) -> dict:
         """The request's JSON payload, through the model.py's input formatter if it has one."""
@@ -119,3 +147,16 @@ def _content_type_of(body: str) -> str:
     except ValueError:
         return "text/plain; charset=utf-8"
     return "application/json"
+
+
+def _openai_error(answer: HandlerResponse) -> HandlerResponse:
+    """The project's error body in OpenAI's shape, which OpenAI clients parse."""
+    body = answer.json
+    kind = "invalid_request_error" if answer.status < 500 else "server_error"
+    error = {
+        "message": body.get("error") or body.get("message"),
+        "type": kind,
+        "param": body.get("field"),
+        "code": answer.status,
+    }
+    return HandlerResponse(status=answer.status, json={"error": error})

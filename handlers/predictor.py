@@ -189,6 +189,30 @@ class Predictor:
         )
         return responder.completion(completion)
 
+    def complete_prompts(
+        self, texts, params, stop_sequences, request_id: str, client_gone=None
+    ) -> list[tuple[Completion, int]]:
+        """OpenAI completions: each prompt's Completion (stop sequences applied) and its
+        number of prompt tokens."""
+        prompt_ids = [
+            self.prompt_ids(text, params.max_new_tokens, "prompt", "max_tokens") for text in texts
+        ]
+        generations = self._generate_all(prompt_ids, params, request_id, client_gone)
+        return [
+            (
+                complete(
+                    self.tokenizer,
+                    text,
+                    generation.token_ids,
+                    generation.log_probs,
+                    generation.finish_reason,
+                    stop_sequences,
+                ),
+                len(ids),
+            )
+            for text, generation, ids in zip(texts, generations, prompt_ids)
+        ]
+
     def _generate_all(self, prompts, params, request_id: str, client_gone) -> list[_Generation]:
         """Every prompt's whole generation (not streamed). `client_gone()` says whether the
         HTTP client hung up meanwhile: then the engine drops the requests at once."""

@@ -212,14 +212,15 @@ def test_chat_too_long_names_max_tokens(smollm2_dir, tokenizer):
     handler, engine = make_handler(smollm2_dir, tokenizer)
     payload = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 120}
     answer = call(handler, payload, Route.CHAT_COMPLETIONS)
-    assert (answer.status, answer.json["field"]) == (400, "max_tokens")
+    assert (answer.status, answer.json["error"]["param"]) == (400, "max_tokens")
     assert engine.messages == []
 
 
 def test_chat_route_refuses_a_text_payload(smollm2_dir, tokenizer):
     handler, engine = make_handler(smollm2_dir, tokenizer)
     answer = call(handler, {"inputs": "Hi"}, Route.CHAT_COMPLETIONS)
-    assert (answer.status, answer.json["field"]) == (400, "messages")
+    assert answer.status == 400
+    assert answer.json["error"]["param"] == "messages"  # OpenAI's error shape
     assert engine.messages == []
 
 
@@ -366,3 +367,55 @@ def test_output_formatter_by_option_name(smollm2_dir, tokenizer, formatters_file
         OPTION_OUTPUT_FORMATTER="model:one_line_per_token",
     )
     assert handler.formatters.output.__name__ == "one_line_per_token"
+
+
+# --- OpenAI completions ------------------------------------------------------------------------
+
+
+def test_completion_with_echo_logprobs_and_usage(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    payload = {"prompt": "Capital?", "max_tokens": 40, "temperature": 0, "echo": True,
+               "logprobs": 0}  # fmt: skip
+    answer = call(handler, payload, Route.COMPLETIONS)
+    assert answer.status == 200, answer.json
+    (choice,) = answer.json["choices"]
+    assert choice["text"] == "Capital?" + REPLY and choice["finish_reason"] == "stop"
+    logprobs = choice["logprobs"]
+    assert "".join(logprobs["tokens"]).startswith(REPLY)
+    assert logprobs["text_offset"][0] == len("Capital?") and logprobs["top_logprobs"] is None
+    usage = answer.json["usage"]
+    assert usage["prompt_tokens"] == len(engine.messages[0].prompt_ids)
+    assert usage["completion_tokens"] == len(engine.reply_ids) + 1  # the EOS counts
+    assert engine.messages[0].params.do_sample is False
+
+
+def test_completion_defaults_to_openais_16_tokens_and_streams(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    answer = call(handler, {"prompt": "Hi", "stream": True}, Route.COMPLETIONS)
+    assert engine.messages[0].params.max_new_tokens == 16
+    events = [line.removeprefix("data: ") for line in stream_lines(answer) if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == REPLY
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == len(engine.reply_ids) + 1
+
+
+@pytest.mark.parametrize(
+    ("payload", "param"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": ["a", 3]}, "prompt"),
+        ({"prompt": "a", "n": 2}, "n"),
+        ({"prompt": "a", "logprobs": 1}, "logprobs"),  # sampled: alternatives not computed
+        ({"prompt": ["a", "b"], "stream": True}, "prompt"),
+        ({"prompt": "a", "max_tokens": 500}, "max_tokens"),
+    ],
+)
+def test_bad_completions_are_openai_errors_naming_the_param(smollm2_dir, tokenizer, payload, param):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    answer = call(handler, payload, Route.COMPLETIONS)
+    assert answer.status == 400
+    assert answer.json["error"]["param"] == param
+    assert answer.json["error"]["type"] == "invalid_request_error"
+    assert engine.messages == []

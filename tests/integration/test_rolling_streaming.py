@@ -216,4 +216,73 @@ def test_streamed_chat_chunks_add_up_to_the_answer(server):
 def test_bad_chat_requests_are_400_naming_the_field(server, body, field):
     response = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
-    assert response.json()["field"] == field
+    error = response.json()["error"]  # OpenAI's shape on OpenAI routes
+    assert (error["param"], error["type"], error["code"]) == (field, "invalid_request_error", 400)
+    assert field in error["message"]
+
+
+# --- the OpenAI SDK as the client -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_models_lists_the_served_model(server, openai_client):
+    name = requests.get(f"{server.url}/models", timeout=10).json()["models"][0]["modelName"]
+    assert [model.id for model in openai_client.models.list()] == [name]
+
+
+def test_openai_completion_equals_the_greedy_invocation(server, openai_client):
+    expected = generate(server, {"max_new_tokens": 16}).json()["generated_text"]
+    answer = openai_client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=16, temperature=0
+    )
+    assert answer.object == "text_completion"
+    assert answer.choices[0].text == expected
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage.completion_tokens == 16
+    streamed = openai_client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=16, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+
+
+def test_openai_completion_lists_echo_and_logprobs(server, openai_client):
+    answer = openai_client.completions.create(
+        model="m", prompt=[PROMPT, "The capital of France is"], max_tokens=5, temperature=0,
+        echo=True, logprobs=1,
+    )  # fmt: skip
+    assert [choice.index for choice in answer.choices] == [0, 1]
+    first = answer.choices[0]
+    assert first.text.startswith(PROMPT)
+    assert len(first.logprobs.tokens) == len(first.logprobs.token_logprobs) == 5
+    assert all(lp <= 0 for lp in first.logprobs.token_logprobs)
+    assert first.logprobs.text_offset[0] == len(PROMPT)
+    assert answer.usage.completion_tokens == 10
+
+
+def test_openai_errors_reach_the_sdk_as_openai_errors(openai_client):
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError) as refused:
+        openai_client.completions.create(model="m", prompt=PROMPT, logprobs=3)
+    assert refused.value.param == "logprobs" and refused.value.status_code == 400
+    with pytest.raises(openai.BadRequestError) as too_long:
+        openai_client.completions.create(model="m", prompt=PROMPT, max_tokens=100000)
+    assert too_long.value.param == "max_tokens"
+
+
+def test_openai_chat_through_the_sdk(server, openai_client):
+    body = {"messages": CHAT, "max_tokens": 12, "temperature": 0}
+    expected = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()
+    answer = openai_client.chat.completions.create(
+        model="m", messages=CHAT, max_tokens=12, temperature=0
+    )
+    assert answer.choices[0].message.content == expected["choices"][0]["message"]["content"]
+    stream = openai_client.chat.completions.create(
+        model="m", messages=CHAT, max_tokens=12, temperature=0, stream=True
+    )
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    assert "".join(pieces) == answer.choices[0].message.content
