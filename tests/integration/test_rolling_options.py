@@ -1,5 +1,6 @@
 """Server options on the rolling engine (tiny model, two ranks): tgi_compat shapes, and
-predict_timeout answering a too-long generation with an error and freeing its blocks."""
+predict_timeout, which (as in DJL) never cuts a generation that is under way: one far longer
+than the timeout is answered in full, and its blocks are free after."""
 
 from __future__ import annotations
 
@@ -42,13 +43,13 @@ def test_tgi_compat_and_predict_timeout(tmp_path, tiny_model_dir):
             "parameters": {"max_new_tokens": 4000, "ignore_eos_token": True},
         }
         started = time.monotonic()
-        timed_out = requests.post(f"{server.url}/invocations", json=endless, timeout=60)
-        assert timed_out.status_code == 424
-        assert "predict_timeout" in timed_out.json()["error"]
-        assert time.monotonic() - started < 10
+        answered = requests.post(f"{server.url}/invocations", json=endless, timeout=300)
+        assert answered.status_code == 200, answered.text
+        assert time.monotonic() - started > 2, "shorter than option.predict_timeout: no test"
+        assert len(answered.json()[0]["generated_text"]) > 0
         name = tiny_model_dir.name
         deadline = time.monotonic() + 10
-        while True:  # the engine dropped the request: its blocks are free again
+        while True:  # the request is done: its blocks are free again
             stats = requests.get(f"{server.url}/models/{name}", timeout=10).json()["engine"]
             if stats["stats"]["kv_blocks_used"] == 0:
                 break
