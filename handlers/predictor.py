@@ -66,7 +66,9 @@ class Predictor:
 
     def predict(self, request: TextRequest, request_id: str, client_gone=None) -> dict | list:
         prompts = [self.prompt_ids(text, request.params.max_new_tokens) for text in request.inputs]
-        generations = self._generate_all(prompts, request.params, request_id, client_gone)
+        generations = self._generate_all(
+            prompts, request.params, request_id, client_gone, request.stop_sequences
+        )
         outputs = [
             self._output(text, generation, request)
             for text, generation in zip(request.inputs, generations)
@@ -149,7 +151,9 @@ class Predictor:
             raise BadRequest("inputs", "a custom output formatter answers one input per request")
         prompt = request.inputs[0]
         prompt_ids = self.prompt_ids(prompt, request.params.max_new_tokens)
-        (generation,) = self._generate_all([prompt_ids], request.params, request_id, client_gone)
+        (generation,) = self._generate_all(
+            [prompt_ids], request.params, request_id, client_gone, request.stop_sequences
+        )
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.stop_sequences)
         tokens = list(zip(generation.token_ids, generation.log_probs))
         pieces = []
@@ -178,7 +182,9 @@ class Predictor:
             return self.stream_prompt(
                 prompt, prompt_ids, chat.params, chat.stop_sequences, request_id, responder
             )
-        (generation,) = self._generate_all([prompt_ids], chat.params, request_id, client_gone)
+        (generation,) = self._generate_all(
+            [prompt_ids], chat.params, request_id, client_gone, chat.stop_sequences
+        )
         completion = complete(
             self.tokenizer,
             prompt,
@@ -197,7 +203,9 @@ class Predictor:
         prompt_ids = [
             self.prompt_ids(text, params.max_new_tokens, "prompt", "max_tokens") for text in texts
         ]
-        generations = self._generate_all(prompt_ids, params, request_id, client_gone)
+        generations = self._generate_all(
+            prompt_ids, params, request_id, client_gone, stop_sequences
+        )
         return [
             (
                 complete(
@@ -213,28 +221,42 @@ class Predictor:
             for text, generation, ids in zip(texts, generations, prompt_ids)
         ]
 
-    def _generate_all(self, prompts, params, request_id: str, client_gone) -> list[_Generation]:
-        """Every prompt's whole generation (not streamed). `client_gone()` says whether the
-        HTTP client hung up meanwhile: then the engine drops the requests at once."""
+    def _generate_all(
+        self, prompts, params, request_id: str, client_gone, stop_sequences=()
+    ) -> list[_Generation]:
+        """Every prompt's whole generation (not streamed to the client). `client_gone()` says
+        whether the HTTP client hung up meanwhile: then the engine drops the requests at once.
+        With stop sequences the engine streams the tokens here, and a prompt whose text reaches
+        one is ended in the engine there, instead of running on to max_new_tokens."""
+        watch = bool(stop_sequences)
         engine_ids = [f"{request_id}/{index}" for index in range(len(prompts))]
         queues = [
-            self.client.submit(protocol.GenerateRequest(i, p, params, stream=False))
+            self.client.submit(protocol.GenerateRequest(i, p, params, stream=watch))
             for i, p in zip(engine_ids, prompts)
         ]
         submitted = time.monotonic()
-        finished: set[str] = set()
+        finished: set[str] = set()  # each engine request is finished exactly once
         try:
             generations = []
             for engine_id, events in zip(engine_ids, queues):
                 generation = _Generation()
+                watcher = IncrementalDetokenizer(self.tokenizer, stop_sequences)
                 while generation.finish_reason is None:
-                    generation.add(self._next_event(events, submitted, client_gone))
+                    event = self._next_event(events, submitted, client_gone)
+                    generation.add(event)
+                    still_running = generation.finish_reason is None
+                    if watch and still_running and _reaches_stop(watcher, event):
+                        generation.finish_reason = protocol.FinishReason.STOP_SEQUENCE
+                # A request ended by its stop sequence is still running in the engine.
+                stopped_here = generation.finish_reason == protocol.FinishReason.STOP_SEQUENCE
+                self.client.finish(engine_id, abort=stopped_here)
                 finished.add(engine_id)
                 generations.append(generation)
             return generations
         finally:
             for engine_id in engine_ids:
-                self.client.finish(engine_id, abort=engine_id not in finished)
+                if engine_id not in finished:
+                    self.client.finish(engine_id, abort=True)
 
     def _output(self, text: str, generation: _Generation, request: TextRequest) -> dict:
         completion = complete(
@@ -279,6 +301,14 @@ class Predictor:
     def _next_event(self, events: queue.SimpleQueue, since: float, client_gone=None):
         timeout_s = self.runtime.config.predict_timeout
         return next_event(events, self.client, since, timeout_s, client_gone)
+
+
+def _reaches_stop(watcher: IncrementalDetokenizer, event: protocol.Event) -> bool:
+    for token in event.token_ids:
+        watcher.add(token)
+        if watcher.stopped:
+            return True
+    return False
 
 
 def next_event(

@@ -164,7 +164,7 @@ def test_details_and_tgi_compat(smollm2_dir, tokenizer):
 
 
 def test_stop_sequence_cuts_the_text(smollm2_dir, tokenizer):
-    handler, _ = make_handler(smollm2_dir, tokenizer)
+    handler, engine = make_handler(smollm2_dir, tokenizer)
     payload = {
         "inputs": "Hi",
         "parameters": {"max_new_tokens": 40, "stop_sequences": [" capital"], "details": True},
@@ -172,6 +172,16 @@ def test_stop_sequence_cuts_the_text(smollm2_dir, tokenizer):
     output = call(handler, payload).json
     assert output["generated_text"] == " Paris is the"
     assert output["details"]["finish_reason"] == "stop_sequence"
+    # The engine streamed the tokens to the front end, which stopped it at the stop sequence.
+    (message,) = engine.messages
+    assert message.stream is True and engine.finished[message.id] == [True]
+
+
+def test_a_request_without_stop_sequences_is_not_streamed_from_the_engine(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    call(handler, {"inputs": "Hi", "parameters": {"max_new_tokens": 40}})
+    (message,) = engine.messages
+    assert message.stream is False and engine.finished[message.id] == [False]
 
 
 def test_jsonlines_stream_token_by_token(smollm2_dir, tokenizer):
