@@ -19,7 +19,7 @@ from pathlib import Path
 from lmserve.properties.config import default_cache_dir
 from lmserve.properties.javaprops import parse_properties
 
-from . import loadgen, report
+from . import loadgen, report, soak
 from .serving import running_server
 from .workload import Lengths, PromptBuilder, plan
 
@@ -47,9 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--title", help="plot and table title")
     parser.add_argument("--port", type=int, default=8099, help="for --config servers")
+    parser.add_argument(
+        "--soak",
+        action="store_true",
+        help="the soak mix (benchmarks/soak.py) and its survival checks instead of a workload",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.soak:
+        return run_soak(args)
     tokenizer_dir = args.tokenizer or _default_tokenizer_dir()
     builder = PromptBuilder(str(tokenizer_dir / "tokenizer.json"), args.seed)
     planned = plan(builder, args.num_requests, args.input_len, args.output_len, args.qps, args.seed)
@@ -70,6 +77,31 @@ def run(args: argparse.Namespace) -> int:
     print(report.markdown(runs))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0 if all(r["summary"]["errors"] == 0 for r in runs.values()) else 1
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    """Exit status 1 when any request was lost or answered badly, or the engine is not idle
+    and healthy after."""
+    failed = False
+    for label, url, properties in _targets(args):
+        if properties is None:
+            failed |= _soak_one(label, url, args)
+            continue
+        with running_server(properties, args.port) as (started_url, _):
+            failed |= _soak_one(label, started_url, args)
+    return 1 if failed else 0
+
+
+def _soak_one(label: str, url: str, args: argparse.Namespace) -> bool:
+    results, wall = soak.run(
+        url, args.num_requests, args.concurrency or 64, args.output_len.high, args.seed
+    )
+    after = soak.settle(url)
+    print(f"{label}:\n{soak.table(results, wall, after)}")
+    problems = soak.failures(results, after)
+    for problem in problems[:20]:
+        print(f"  FAILED {problem}")
+    return bool(problems)
 
 
 def describe_arrival(qps: float | None, concurrency: int | None) -> str:
