@@ -22,7 +22,7 @@ from .formatters import FormattedGeneration, load_formatters
 from .interface import OPENAI_ROUTES, EngineConnection, HandlerRequest, HandlerResponse, Route
 from .openai_completions import CompletionResponder, parse_completion
 from .predictor import ClientGone, PredictionError, Predictor
-from .request_parsing import BadRequest, load_payload, parse_payload
+from .request_parsing import BadRequest, TextRequest, load_payload, parse_payload
 from .stream_format import StreamFormat
 
 _SSE = "text/event-stream"
@@ -62,10 +62,12 @@ class LLMHandler:
             if chat.stream:
                 return HandlerResponse(stream=answer, content_type=_SSE)
             return HandlerResponse(json=answer)
-        parsed = parse_payload(payload)
-        if self.formatters.output is not None:
+        parsed = parse_payload(payload, tgi_compat=self.config.tgi_compat)
+        # A format the request names wins over the server's, a model.py's formatter included,
+        # as in DJL (a request's `output_formatter` parameter is read before the option).
+        if self.formatters.output is not None and parsed.output_formatter is None:
             return self._formatted(parsed, request)
-        stream_kind = self._stream_kind(parsed.stream, request.accept)
+        stream_kind = self._stream_kind(parsed, request.accept)
         if stream_kind is None:
             answer = self.predictor.predict(parsed, request.request_id, request.client_gone)
             return HandlerResponse(json=answer)
@@ -130,15 +132,19 @@ class LLMHandler:
         body = self.predictor.predict_shaped(parsed, request_id, shaped, request.client_gone)
         return HandlerResponse(body=body.encode(), content_type=_content_type_of(body))
 
-    def _stream_kind(self, asked: bool, accept: str) -> str | None:
-        """jsonlines or sse when option.output_formatter or the request asks to stream; a
-        streaming request that accepts text/event-stream gets SSE."""
-        formatter = self.config.output_formatter
-        if formatter in ("jsonlines", "sse"):
-            return formatter
-        if not asked:
+    def _stream_kind(self, parsed: TextRequest, accept: str) -> str | None:
+        """jsonlines or sse when the request's `output_formatter`, option.output_formatter or
+        the request's `stream` asks for a stream, None for one JSON answer. A format the
+        request names decides alone (DJL: a named formatter wins over `stream`); a stream
+        nothing names is SSE under tgi_compat (TGI streams SSE) or when the client accepts
+        text/event-stream, jsonlines otherwise."""
+        if parsed.output_formatter is not None:
+            return None if parsed.output_formatter == "json" else parsed.output_formatter
+        if self.config.output_formatter in ("jsonlines", "sse"):
+            return self.config.output_formatter
+        if not parsed.stream:
             return None
-        return "sse" if _SSE in accept else "jsonlines"
+        return "sse" if self.config.tgi_compat or _SSE in accept else "jsonlines"
 
 
 def _content_type_of(body: str) -> str:

@@ -21,6 +21,7 @@ from .outputs import Completion, complete, shape_response, to_json
 from .request_parsing import BadRequest, TextRequest
 from .stream_format import StreamFormat
 from .tokenizer import Tokenizer
+from .truncation import keep_last_tokens
 
 # How often a waiting request looks at the engine's liveness.
 _POLL_S = 0.25
@@ -65,7 +66,10 @@ class Predictor:
         self.chat_template = ChatTemplate(runtime.model_path)
 
     def predict(self, request: TextRequest, request_id: str, client_gone=None) -> dict | list:
-        prompts = [self.prompt_ids(text, request.params.max_new_tokens) for text in request.inputs]
+        prompts = [
+            self.prompt_ids(text, request.params.max_new_tokens, truncate=request.truncate)
+            for text in request.inputs
+        ]
         generations = self._generate_all(
             prompts, request.params, request_id, client_gone, request.stop_sequences
         )
@@ -78,7 +82,9 @@ class Predictor:
     def stream(self, request: TextRequest, request_id: str, fmt: StreamFormat) -> Iterator[str]:
         if request.batched:
             raise BadRequest("inputs", "streaming takes one input, not a list")
-        prompt_ids = self.prompt_ids(request.inputs[0], request.params.max_new_tokens)
+        prompt_ids = self.prompt_ids(
+            request.inputs[0], request.params.max_new_tokens, truncate=request.truncate
+        )
         return self.stream_prompt(
             request.inputs[0], prompt_ids, request.params, request.stop_sequences, request_id, fmt
         )
@@ -150,7 +156,9 @@ class Predictor:
         if request.batched:
             raise BadRequest("inputs", "a custom output formatter answers one input per request")
         prompt = request.inputs[0]
-        prompt_ids = self.prompt_ids(prompt, request.params.max_new_tokens)
+        prompt_ids = self.prompt_ids(
+            prompt, request.params.max_new_tokens, truncate=request.truncate
+        )
         (generation,) = self._generate_all(
             [prompt_ids], request.params, request_id, client_gone, request.stop_sequences
         )
@@ -279,11 +287,15 @@ class Predictor:
         field: str = "inputs",
         limit_field: str = "parameters.max_new_tokens",
         add_special_tokens: bool = True,
+        truncate: int | None = None,
     ) -> list[int]:
-        """The prompt's token ids, checked against the context; errors name `field` (the
-        prompt) or `limit_field` (the request's cap on new tokens)."""
+        """The prompt's token ids (only the last `truncate` of them, TGI's `truncate`), checked
+        against the context; errors name `field` (the prompt) or `limit_field` (the request's
+        cap on new tokens)."""
         prompt_ids = self.tokenizer.encode(text, add_special_tokens)
         limit = self.max_model_len
+        if truncate is not None:
+            prompt_ids = keep_last_tokens(prompt_ids, truncate, limit)
         if not prompt_ids:
             raise BadRequest(field, "the prompt is empty (no tokens)")
         if len(prompt_ids) >= limit:

@@ -2,7 +2,8 @@
 nothing invalid reaches the engine.
 
 Unknown parameters are dropped with a warning (DJL's behaviour: clients send vendor-specific
-knobs); wrong types and impossible values of known ones are refused.
+knobs); wrong types and impossible values of known ones are refused. TGI's spellings are read
+too: `stop` beside `stop_sequences`, and `truncate`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmserve.rolling_batch.protocol import GenerationParams
+
+# The formats a request may name in `parameters.output_formatter` (a model.py's function is
+# chosen by the server's configuration, never by a client).
+OUTPUT_FORMATS = ("json", "jsonlines", "sse")
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,11 @@ class TextRequest:
     details: bool = False
     return_full_text: bool = False
     stream: bool = False
+    # TGI's `truncate`: keep only the prompt's last `truncate` tokens (applied where the prompt
+    # is tokenized).
+    truncate: int | None = None
+    # `parameters.output_formatter`: this request's answer format, over option.output_formatter.
+    output_formatter: str | None = None
 
 
 def parse_body(body: bytes, content_type: str | None) -> TextRequest:
@@ -58,7 +68,9 @@ def load_payload(body: bytes, content_type: str | None) -> dict[str, Any]:
     return payload
 
 
-def parse_payload(payload: dict[str, Any]) -> TextRequest:
+def parse_payload(payload: dict[str, Any], tgi_compat: bool = False) -> TextRequest:
+    """`tgi_compat` (option.tgi_compat) turns `details` on unless the request says otherwise,
+    as DJL does (`parameters.get("details", tgi_compat)`)."""
     if "inputs" not in payload:
         raise BadRequest("inputs", "missing (a string or a list of strings)")
     inputs = payload["inputs"]
@@ -66,20 +78,23 @@ def parse_payload(payload: dict[str, Any]) -> TextRequest:
     items = inputs if batched else [inputs]
     if not items or not all(isinstance(item, str) for item in items):
         raise BadRequest("inputs", "expected a string or a non-empty list of strings")
-    stream = payload.get("stream", False)
-    if not isinstance(stream, bool):
+    stream = payload.get("stream")
+    if stream is not None and not isinstance(stream, bool):
         raise BadRequest("stream", "expected true or false")
     parameters = payload.get("parameters", {})
     if parameters is None:
         parameters = {}
     if not isinstance(parameters, dict):
         raise BadRequest("parameters", "expected a JSON object")
-    return TextRequest(
-        inputs=items, batched=batched, stream=stream, **_parse_parameters(parameters)
-    )
+    parsed = _parse_parameters(parameters, tgi_compat)
+    # DJL moves a top-level `stream` into the parameters (over one already there) and streams
+    # on `parameters.stream`: both places are honoured, the top level winning.
+    if stream is not None:
+        parsed["stream"] = stream
+    return TextRequest(inputs=items, batched=batched, **parsed)
 
 
-def _parse_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+def _parse_parameters(raw: dict[str, Any], tgi_compat: bool) -> dict[str, Any]:
     reader = _ParameterReader(raw)
     do_sample = reader.boolean("do_sample", False)
     temperature = reader.number("temperature", 1.0, minimum=0.0)
@@ -97,11 +112,15 @@ def _parse_parameters(raw: dict[str, Any]) -> dict[str, Any]:
         seed=reader.integer("seed", None, minimum=0),
         ignore_eos=reader.boolean("ignore_eos_token", False),
     )
+    stop_sequences = reader.stop_sequences() + reader.stop_sequences("stop")  # TGI's name
     parsed = {
         "params": params,
-        "stop_sequences": reader.stop_sequences(),
-        "details": reader.boolean("details", False),
+        "stop_sequences": tuple(dict.fromkeys(stop_sequences)),  # each once, in order
+        "details": reader.boolean("details", tgi_compat),
         "return_full_text": reader.boolean("return_full_text", False),
+        "stream": reader.boolean("stream", False),
+        "truncate": reader.integer("truncate", None, minimum=1),
+        "output_formatter": reader.choice("output_formatter", OUTPUT_FORMATS),
     }
     reader.refuse_unsupported("decoder_input_details", False)
     reader.refuse_unsupported("top_n_tokens", 0)
@@ -170,6 +189,14 @@ class _ParameterReader:
         if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
             raise BadRequest(f"{self.prefix}{name}", "expected a list of non-empty strings")
         return tuple(value)
+
+    def choice(self, name: str, allowed: tuple[str, ...]) -> str | None:
+        value = self._get(name)
+        if value is not None and value not in allowed:
+            raise BadRequest(
+                f"{self.prefix}{name}", f"expected one of {', '.join(allowed)}, got {value!r}"
+            )
+        return value
 
     def refuse_unsupported(self, name: str, default: Any) -> None:
         value = self._get(name)

@@ -3,7 +3,11 @@ text (and details), an error after the first byte as a final `{"code", "error"}`
 
 - `jsonlines` (DJL): `application/jsonlines`, one JSON object per line.
 - `sse`: `text/event-stream`, the same objects as `data: {...}` events.
-- `tgi_compat`: SSE with TGI's token keys (`logprob`, `special`).
+- `tgi_compat`: TGI's token keys (`logprob`, `special`); the handler picks SSE for it unless
+  the request or option.output_formatter names jsonlines.
+
+The last event's `details` has `finish_reason`, `generated_tokens` and `inputs` but no
+`tokens`, as DJL's jsonlines/sse formatter writes it: every token was already its own event.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ class StreamFormat:
         details: bool,
         return_full_text: bool,
     ):
-        self.sse = kind == "sse" or tgi_compat
+        self.sse = kind == "sse"
         self.tgi_compat = tgi_compat
         self.content_type = "text/event-stream" if self.sse else "application/jsonlines"
         self._tokenizer = tokenizer
@@ -38,16 +42,16 @@ class StreamFormat:
         else:
             event = {"token": {"id": token_id, "text": text, "log_prob": log_prob}}
         if completion is not None:
-            event.update(
-                to_json(
-                    completion,
-                    self._tokenizer,
-                    self._details,
-                    self._return_full_text,
-                    self.tgi_compat,
-                )
-            )
+            event.update(self._last(completion))
         return self.line(event)
+
+    def _last(self, completion: Completion) -> dict:
+        last = to_json(
+            completion, self._tokenizer, self._details, self._return_full_text, self.tgi_compat
+        )
+        if "details" in last:
+            del last["details"]["tokens"]
+        return last
 
     def error(self, status: int, message: str) -> str:
         return self.line({"code": status, "error": message})

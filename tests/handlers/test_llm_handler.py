@@ -429,3 +429,128 @@ def test_bad_completions_are_openai_errors_naming_the_param(smollm2_dir, tokeniz
     assert answer.json["error"]["param"] == param
     assert answer.json["error"]["type"] == "invalid_request_error"
     assert engine.messages == []
+
+
+# --- TGI's and DJL's request schema: parameters.stream, stop, truncate, output_formatter -------
+
+
+def sse_events(answer: HandlerResponse) -> list[dict]:
+    assert answer.content_type == "text/event-stream"
+    return [json.loads(line.removeprefix("data: ")) for line in stream_lines(answer) if line]
+
+
+def test_stream_asked_inside_parameters_streams(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    answer = call(handler, {"inputs": "Hi", "parameters": {"max_new_tokens": 40, "stream": True}})
+    assert answer.content_type == "application/jsonlines"
+    events = [json.loads(line) for line in stream_lines(answer)]
+    assert "".join(e["token"]["text"] for e in events) == REPLY
+    assert engine.messages[0].stream is True
+
+
+def test_tgi_stop_ends_the_text_like_stop_sequences(smollm2_dir, tokenizer):
+    handler, _ = make_handler(smollm2_dir, tokenizer)
+    payload = {"inputs": "Hi", "parameters": {"max_new_tokens": 40, "stop": [" capital"]}}
+    assert call(handler, payload).json == {"generated_text": " Paris is the"}
+
+
+def test_truncate_keeps_the_last_prompt_tokens(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    prompt = "word " * 200  # over the context of 128 tokens without truncate
+    payload = {"inputs": prompt, "parameters": {"max_new_tokens": 5, "truncate": 16}}
+    assert call(handler, payload).status == 200
+    assert engine.messages[0].prompt_ids == tokenizer.encode(prompt)[-16:]
+
+
+def test_truncate_longer_than_the_prompt_keeps_it_whole(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    call(handler, {"inputs": "The capital of France is", "parameters": {"truncate": 100}})
+    assert engine.messages[0].prompt_ids == tokenizer.encode("The capital of France is")
+
+
+def test_truncate_beyond_the_context_is_refused(smollm2_dir, tokenizer):
+    """TGI refuses a `truncate` over its max input length; here the context (128) less the
+    one new token that must fit."""
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    answer = call(handler, {"inputs": "Hi", "parameters": {"truncate": 128}})
+    assert (answer.status, answer.json["field"]) == (400, "parameters.truncate")
+    assert "<= 127" in answer.json["message"]
+    assert engine.messages == []
+
+
+def test_tgi_compat_answers_with_details_unless_turned_off(smollm2_dir, tokenizer):
+    handler, _ = make_handler(smollm2_dir, tokenizer, OPTION_TGI_COMPAT="true")
+    (output,) = call(handler, {"inputs": "Hi", "parameters": {"max_new_tokens": 2}}).json
+    assert output["details"]["generated_tokens"] == 2
+    assert len(output["details"]["tokens"]) == 2
+    quiet = {"inputs": "Hi", "parameters": {"max_new_tokens": 2, "details": False}}
+    assert call(handler, quiet).json == [{"generated_text": output["generated_text"]}]
+
+
+def test_tgi_compat_stream_is_sse_ending_with_details_without_tokens(smollm2_dir, tokenizer):
+    handler, _ = make_handler(smollm2_dir, tokenizer, OPTION_TGI_COMPAT="true")
+    answer = call(handler, {"inputs": "Hi", "stream": True, "parameters": {"max_new_tokens": 3}})
+    events = sse_events(answer)
+    assert [e["details"] for e in events[:-1]] == [None, None]
+    assert events[-1]["details"] == {"finish_reason": "length", "generated_tokens": 3,
+                                     "inputs": "Hi"}  # fmt: skip
+
+
+def test_stream_last_details_leave_out_tokens(smollm2_dir, tokenizer):
+    """DJL's jsonlines/sse formatter: every token was its own event, so the last one's
+    details say only why and how many."""
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    payload = {"inputs": "Hi", "stream": True, "parameters": {"details": True}}
+    last = json.loads(stream_lines(call(handler, payload))[-1])
+    assert last["generated_text"] == REPLY
+    assert last["details"] == {
+        "finish_reason": "eos_token",
+        "generated_tokens": len(engine.reply_ids) + 1,  # the EOS counts
+        "inputs": "Hi",
+    }
+
+
+def test_request_output_formatter_sse_streams_without_stream(smollm2_dir, tokenizer):
+    handler, _ = make_handler(smollm2_dir, tokenizer)
+    answer = call(handler, {"inputs": "Hi", "parameters": {"output_formatter": "sse"}})
+    assert sse_events(answer)[-1]["generated_text"] == REPLY
+
+
+def test_request_output_formatter_json_answers_once_even_when_streaming(smollm2_dir, tokenizer):
+    handler, _ = make_handler(smollm2_dir, tokenizer, OPTION_OUTPUT_FORMATTER="jsonlines")
+    payload = {"inputs": "Hi", "stream": True, "parameters": {"output_formatter": "json"}}
+    answer = call(handler, payload)
+    assert answer.stream is None and answer.json == {"generated_text": REPLY}
+
+
+def test_request_output_formatter_jsonlines_under_tgi_compat(smollm2_dir, tokenizer):
+    """Named jsonlines stays jsonlines (DJL), with TGI's token keys."""
+    handler, _ = make_handler(smollm2_dir, tokenizer, OPTION_TGI_COMPAT="true")
+    payload = {"inputs": "Hi", "parameters": {"output_formatter": "jsonlines"}}
+    answer = call(handler, payload)
+    assert answer.content_type == "application/jsonlines"
+    first = json.loads(stream_lines(answer)[0])
+    assert set(first["token"]) == {"id", "text", "logprob", "special"}
+
+
+OUTPUT_FORMATTER_ONLY = """
+from djl_python.output_formatter import output_formatter
+
+
+@output_formatter
+def shout(output):  # called once per new token
+    token, _, _ = output.sequences[output.best_sequence_index].get_next_token()
+    return token.text.upper()
+"""
+
+
+def test_request_output_formatter_wins_over_a_model_py_formatter(smollm2_dir, tokenizer, tmp_path):
+    model_py = tmp_path / "model.py"
+    model_py.write_text(OUTPUT_FORMATTER_ONLY)
+    try:
+        handler, _ = make_handler(smollm2_dir, tokenizer, formatters=model_py)
+        assert call(handler, {"inputs": "Hi"}).body.decode() == REPLY.upper()
+        named = {"inputs": "Hi", "parameters": {"output_formatter": "json"}}
+        assert call(handler, named).json == {"generated_text": REPLY}
+    finally:
+        sys.modules.pop("model", None)

@@ -1,11 +1,14 @@
 """Output shaping with SmolLM2's real tokenizer: stop sequences cut text and tokens together,
-details and the TGI shape."""
+details and the TGI shape, and the last event of a stream."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from lmserve.handlers.outputs import complete, shape_response, to_json
+from lmserve.handlers.stream_format import StreamFormat
 from lmserve.handlers.tokenizer import Tokenizer
 
 
@@ -54,3 +57,25 @@ def test_tgi_compat_token_keys_and_list_shape(tokenizer):
     }
     assert shape_response([output], batched=False, tgi_compat=True) == [output]
     assert shape_response([output], batched=False, tgi_compat=False) == output
+
+
+@pytest.mark.parametrize("tgi_compat", [False, True])
+def test_a_streams_last_event_has_details_without_tokens(tokenizer, tgi_compat):
+    token_ids = tokenizer.encode(" Paris") + [2]
+    completion = complete(tokenizer, "Capital:", token_ids, [-0.1, -0.2], "eos_token", ())
+    fmt = StreamFormat("jsonlines", tgi_compat, tokenizer, details=True, return_full_text=False)
+    last = json.loads(fmt.token(2, "", -0.2, True, completion))
+    assert last["generated_text"] == " Paris"
+    assert last["details"] == {"finish_reason": "eos_token", "generated_tokens": 2,
+                               "inputs": "Capital:"}  # fmt: skip
+
+
+def test_stream_kind_alone_picks_sse_or_jsonlines(tokenizer):
+    """tgi_compat changes the token keys, not the framing: the handler picks the kind."""
+    event = {"token": {"id": 1}}
+    jsonlines = StreamFormat("jsonlines", True, tokenizer, details=False, return_full_text=False)
+    sse = StreamFormat("sse", False, tokenizer, details=False, return_full_text=False)
+    assert jsonlines.line(event) == '{"token": {"id": 1}}\n'
+    assert jsonlines.content_type == "application/jsonlines"
+    assert sse.line(event) == 'data: {"token": {"id": 1}}\n\n'
+    assert sse.content_type == "text/event-stream"

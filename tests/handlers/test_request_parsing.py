@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lmserve.handlers.request_parsing import BadRequest, parse_body
+from lmserve.handlers.request_parsing import BadRequest, parse_body, parse_payload
 from lmserve.rolling_batch.protocol import GenerationParams
 
 
@@ -102,3 +102,49 @@ def test_empty_text_plain_body_is_refused():
     with pytest.raises(BadRequest) as error:
         parse_body(b"  ", "text/plain")
     assert error.value.field == "inputs"
+
+
+# --- TGI's and DJL's other spellings ----------------------------------------------------------
+
+
+def test_stream_in_parameters_is_honoured_and_the_top_level_wins():
+    assert parse({"inputs": "x", "parameters": {"stream": True}}).stream
+    both = {"inputs": "x", "stream": False, "parameters": {"stream": True}}
+    assert not parse(both).stream  # DJL copies the top-level value over the parameter
+
+
+def test_tgi_stop_is_read_beside_stop_sequences():
+    request = parse({"inputs": "x", "parameters": {"stop": ["\n", "END"]}})
+    assert request.stop_sequences == ("\n", "END")
+    both = {"inputs": "x", "parameters": {"stop_sequences": ["a", "b"], "stop": "b"}}
+    assert parse(both).stop_sequences == ("a", "b")
+
+
+def test_truncate_and_output_formatter_are_carried():
+    request = parse({"inputs": "x", "parameters": {"truncate": 8, "output_formatter": "sse"}})
+    assert (request.truncate, request.output_formatter) == (8, "sse")
+    assert parse({"inputs": "x"}).truncate is None
+
+
+def test_tgi_compat_turns_details_on_unless_the_request_turns_them_off():
+    assert parse_payload({"inputs": "x"}, tgi_compat=True).details
+    off = {"inputs": "x", "parameters": {"details": False}}
+    assert not parse_payload(off, tgi_compat=True).details
+    assert not parse_payload({"inputs": "x"}).details
+
+
+@pytest.mark.parametrize(
+    ("parameters", "field"),
+    [
+        ({"truncate": 0}, "parameters.truncate"),  # TGI: strictly positive
+        ({"truncate": "all"}, "parameters.truncate"),
+        ({"stop": [""]}, "parameters.stop"),
+        ({"stream": "yes"}, "parameters.stream"),
+        ({"output_formatter": "xml"}, "parameters.output_formatter"),
+        ({"output_formatter": "my_function"}, "parameters.output_formatter"),
+    ],
+)
+def test_bad_tgi_and_djl_parameters_name_their_field(parameters, field):
+    with pytest.raises(BadRequest) as error:
+        parse({"inputs": "x", "parameters": parameters})
+    assert error.value.field == field
