@@ -13,7 +13,6 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from lmserve.rolling_batch.protocol import GenerationParams
@@ -32,48 +31,8 @@ class ChatRequest:
     stop_sequences: tuple[str, ...]
     stream: bool
     model: str | None
-
-
-class ChatTemplate:
-    """The model's Jinja chat template (tokenizer_config.json or chat_template.jinja), rendered
-    in a sandbox as HF transformers renders it."""
-
-    def __init__(self, model_path: str | Path):
-        folder = Path(model_path)
-        config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        template = config.get("chat_template")
-        if template is None and (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text()
-        self.special_tokens = {
-            name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")
-        }
-        self._template = None
-        if isinstance(template, str):
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            environment.globals["raise_exception"] = _raise_template_error
-            environment.filters["tojson"] = lambda value, **kw: json.dumps(value, **kw)
-            self._template = environment.from_string(template)
-
-    def render(self, messages: list[dict[str, str]]) -> str:
-        if self._template is None:
-            raise BadRequest("messages", "this model has no chat template; send `inputs` instead")
-        try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=True, **self.special_tokens
-            )
-        except ValueError as error:
-            raise BadRequest("messages", str(error)) from None
-
-
-def _token_text(token: Any) -> str | None:
-    return token.get("content") if isinstance(token, dict) else token
-
-
-def _raise_template_error(message: str):
-    raise ValueError(message)
+    # OpenAI's function tools, passed through to the chat template as apply_chat_template does.
+    tools: list[dict[str, Any]] | None = None
 
 
 def is_chat(payload: Any) -> bool:
@@ -88,7 +47,23 @@ def parse_chat(payload: dict[str, Any]) -> ChatRequest:
     reader = _ParameterReader(payload, prefix="")
     max_tokens = reader.integer("max_completion_tokens", None, minimum=1)
     sampling = read_openai_sampling(reader, default_max_tokens=max_tokens or 30)
-    return ChatRequest(parsed, sampling.params, sampling.stop, sampling.stream, sampling.model)
+    return ChatRequest(
+        parsed,
+        sampling.params,
+        sampling.stop,
+        sampling.stream,
+        sampling.model,
+        _parse_tools(payload.get("tools")),
+    )
+
+
+def _parse_tools(tools: Any) -> list[dict[str, Any]] | None:
+    # Passed through as given: each template has its own idea of a tool's shape.
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise BadRequest("tools", "expected a list of tool objects")
+    return tools
 
 
 @dataclass(frozen=True)

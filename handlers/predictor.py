@@ -14,7 +14,8 @@ from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.context_length import context_length_of
 from lmserve.rolling_batch.runtime import Runtime
 
-from .chat import ChatRequest, ChatResponder, ChatTemplate
+from .chat import ChatRequest, ChatResponder
+from .chat_template import ChatTemplate
 from .detokenizer import IncrementalDetokenizer
 from .interface import EngineConnection, HandlerResponse
 from .outputs import Completion, complete, shape_response, to_json
