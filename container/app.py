@@ -12,7 +12,9 @@ import select
 import socket
 import time
 import uuid
+from pathlib import Path
 
+import yaml
 from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
@@ -26,6 +28,8 @@ from . import metrics, model_status
 from .engine_client import EngineClient
 
 log = logging.getLogger("lmserve.http")
+
+_OPENAPI = Path(__file__).with_name("openapi.yaml")  # every route, request and answer
 
 # A scrape waits this long for a fresh answer: the rolling engine answers between steps (tens
 # of ms), engine=Python between batches (seconds), when the engine client's copy serves.
@@ -98,6 +102,12 @@ def create_app(runtime_path: str) -> Flask:
     @app.post("/v1/completions")
     def completions():
         return _predict(name, Route.COMPLETIONS)
+
+    api_document = yaml.safe_load(_OPENAPI.read_text())
+
+    @app.get("/openapi.json")
+    def openapi():
+        return jsonify(api_document)
 
     @app.get("/v1/models")
     def openai_models():

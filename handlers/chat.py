@@ -91,11 +91,10 @@ def read_openai_sampling(reader: _ParameterReader, default_max_tokens: int) -> O
         if reader.number(penalty, 0.0, minimum=-2.0, maximum=2.0) != 0.0:
             raise BadRequest(penalty, "not supported (use 0)")
     model = reader.raw.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("model", f"expected a string, got {model!r}")
     return OpenAISampling(
-        params,
-        reader.stop_sequences("stop"),
-        reader.boolean("stream", False),
-        model if isinstance(model, str) else None,
+        params, reader.stop_sequences("stop"), reader.boolean("stream", False), model
     )
 
 

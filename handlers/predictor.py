@@ -178,7 +178,7 @@ class Predictor:
 
     def chat(self, chat: ChatRequest, request_id: str, client_gone=None):
         """A `chat.completion`, or (streaming) the iterator of its chunks."""
-        prompt = self.chat_template.render(chat.messages)
+        prompt = self.chat_template.render(chat.messages, chat.tools)
         prompt_ids = self.prompt_ids(
             prompt,
             chat.params.max_new_tokens,
