@@ -33,6 +33,7 @@ class ChatRequest:
     model: str | None
     # OpenAI's function tools, passed through to the chat template as apply_chat_template does.
     tools: list[dict[str, Any]] | None = None
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
 
 
 def is_chat(payload: Any) -> bool:
@@ -54,6 +55,7 @@ def parse_chat(payload: dict[str, Any]) -> ChatRequest:
         sampling.stream,
         sampling.model,
         _parse_tools(payload.get("tools")),
+        sampling.include_usage,
     )
 
 
@@ -72,6 +74,7 @@ class OpenAISampling:
     stop: tuple[str, ...]
     stream: bool
     model: str | None
+    include_usage: bool = False
 
 
 def read_openai_sampling(reader: _ParameterReader, default_max_tokens: int) -> OpenAISampling:
@@ -93,9 +96,25 @@ def read_openai_sampling(reader: _ParameterReader, default_max_tokens: int) -> O
     model = reader.raw.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("model", f"expected a string, got {model!r}")
+    stream = reader.boolean("stream", False)
     return OpenAISampling(
-        params, reader.stop_sequences("stop"), reader.boolean("stream", False), model
+        params, reader.stop_sequences("stop"), stream, model, _include_usage(reader.raw, stream)
     )
+
+
+def _include_usage(payload: dict[str, Any], stream: bool) -> bool:
+    """OpenAI's `stream_options.include_usage`: only with `stream: true`."""
+    options = payload.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise BadRequest("stream_options", "only with stream: true")
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options", f"expected an object, got {options!r}")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise BadRequest("stream_options.include_usage", f"expected true or false, got {include!r}")
+    return include
 
 
 def _parse_message(index: int, message: Any) -> dict[str, str]:
@@ -118,11 +137,12 @@ class ChatResponder:
 
     content_type = "text/event-stream"
 
-    def __init__(self, model_name: str, num_prompt_tokens: int):
+    def __init__(self, model_name: str, num_prompt_tokens: int, include_usage: bool = False):
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model_name
         self.num_prompt_tokens = num_prompt_tokens
+        self.include_usage = include_usage
         self._sent_role = False
 
     def completion(self, completion: Completion) -> dict:
@@ -146,9 +166,10 @@ class ChatResponder:
         lines = [self._chunk(delta, None)]
         if completion is not None:
             finish = FINISH_REASONS.get(completion.finish_reason, "stop")
-            final = self._chunk({}, finish)
-            final["usage"] = self._usage(completion)
-            lines += [final]
+            lines.append(self._chunk({}, finish))
+            if self.include_usage:  # OpenAI's usage chunk: no choices
+                lines.append({**self._envelope("chat.completion.chunk"), "choices": [],
+                              "usage": self._usage(completion)})  # fmt: skip
         body = "".join(f"data: {json.dumps(line, ensure_ascii=False)}\n\n" for line in lines)
         return body + ("data: [DONE]\n\n" if completion is not None else "")
 

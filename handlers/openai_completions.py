@@ -73,7 +73,8 @@ class CompletionResponder:
         return {**self._envelope(), "choices": choices, "usage": _usage(prompt_tokens, generated)}
 
     def token(self, token_id, text, log_prob, special, completion: Completion | None) -> str:
-        """One streamed token's chunk; the last one adds finish_reason, usage and [DONE]."""
+        """One streamed token's chunk; the last one adds finish_reason, then (with
+        stream_options.include_usage) a usage chunk, then [DONE]."""
         if not self._offset and self.request.echo:
             text = self.request.prompts[0] + text
         choice: dict[str, Any] = {"text": text, "index": 0, "logprobs": None}
@@ -84,9 +85,12 @@ class CompletionResponder:
         chunk = {**self._envelope(), "choices": [choice]}
         if completion is None:
             return _event(chunk)
-        prompt_tokens = len(self.tokenizer.encode(completion.prompt))
-        chunk["usage"] = _usage(prompt_tokens, len(completion.token_ids))
-        return _event(chunk) + "data: [DONE]\n\n"
+        events = _event(chunk)
+        if self.request.sampling.include_usage:  # OpenAI's usage chunk: no choices
+            prompt_tokens = len(self.tokenizer.encode(completion.prompt))
+            usage = _usage(prompt_tokens, len(completion.token_ids))
+            events += _event({**self._envelope(), "choices": [], "usage": usage})
+        return events + "data: [DONE]\n\n"
 
     def error(self, status: int, message: str) -> str:
         return _event({"error": {"message": message, "type": "server_error", "code": status}})

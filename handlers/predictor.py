@@ -186,7 +186,8 @@ class Predictor:
             limit_field="max_tokens",
             add_special_tokens=False,
         )
-        responder = ChatResponder(chat.model or self.runtime.model_name, len(prompt_ids))
+        model = chat.model or self.runtime.model_name
+        responder = ChatResponder(model, len(prompt_ids), chat.include_usage)
         if chat.stream:
             return self.stream_prompt(
                 prompt, prompt_ids, chat.params, chat.stop_sequences, request_id, responder

@@ -401,14 +401,28 @@ def test_completion_with_echo_logprobs_and_usage(smollm2_dir, tokenizer):
 
 def test_completion_defaults_to_openais_16_tokens_and_streams(smollm2_dir, tokenizer):
     handler, engine = make_handler(smollm2_dir, tokenizer)
-    answer = call(handler, {"prompt": "Hi", "stream": True}, Route.COMPLETIONS)
+    payload = {"prompt": "Hi", "stream": True, "stream_options": {"include_usage": True}}
+    answer = call(handler, payload, Route.COMPLETIONS)
     assert engine.messages[0].params.max_new_tokens == 16
     events = [line.removeprefix("data: ") for line in stream_lines(answer) if line]
     assert events[-1] == "[DONE]"
-    chunks = [json.loads(event) for event in events[:-1]]
+    *chunks, usage = [json.loads(event) for event in events[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == REPLY
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
-    assert chunks[-1]["usage"]["completion_tokens"] == len(engine.reply_ids) + 1
+    assert "usage" not in chunks[-1]
+    # stream_options.include_usage: one more chunk, OpenAI's, with no choices and the usage
+    assert (
+        usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(engine.reply_ids) + 1
+    )
+
+
+def test_a_stream_without_include_usage_has_no_usage(smollm2_dir, tokenizer):
+    handler, _ = make_handler(smollm2_dir, tokenizer)
+    answer = call(handler, {"prompt": "Hi", "stream": True}, Route.COMPLETIONS)
+    chunks = [
+        json.loads(line[6:]) for line in stream_lines(answer) if line and "[DONE]" not in line
+    ]
+    assert all("usage" not in chunk for chunk in chunks)
 
 
 @pytest.mark.parametrize(
@@ -420,6 +434,11 @@ def test_completion_defaults_to_openais_16_tokens_and_streams(smollm2_dir, token
         ({"prompt": "a", "logprobs": 1}, "logprobs"),  # sampled: alternatives not computed
         ({"prompt": ["a", "b"], "stream": True}, "prompt"),
         ({"prompt": "a", "max_tokens": 500}, "max_tokens"),
+        ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+        (
+            {"prompt": "a", "stream": True, "stream_options": {"include_usage": 1}},
+            "stream_options.include_usage",
+        ),  # fmt: skip
     ],
 )
 def test_bad_completions_are_openai_errors_naming_the_param(smollm2_dir, tokenizer, payload, param):

@@ -187,19 +187,21 @@ def test_chat_completion_equals_hf_chat_template_and_greedy(server, smollm2_dir)
 def test_streamed_chat_chunks_add_up_to_the_answer(server):
     body = {"messages": CHAT, "max_tokens": 24, "temperature": 0}
     whole = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
     response = requests.post(
-        f"{server.url}/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=120
+        f"{server.url}/v1/chat/completions", json=streamed, stream=True, timeout=120
     )
     assert response.headers["content-type"].startswith("text/event-stream")
     payloads = [line[len(b"data: ") :] for line in response.iter_lines() if line]
     assert payloads[-1] == b"[DONE]"
-    chunks = [json.loads(p) for p in payloads[:-1]]
+    *chunks, usage = [json.loads(p) for p in payloads[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert content == whole["choices"][0]["message"]["content"]
     assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
-    assert chunks[-1]["usage"] == whole["usage"]
+    # stream_options.include_usage: OpenAI's last chunk, no choices, the usage
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
 
 
 @pytest.mark.parametrize(
