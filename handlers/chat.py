@@ -21,6 +21,7 @@ from .outputs import Completion
 from .request_parsing import BadRequest, _ParameterReader
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
+_MAX_N = 16  # choices per request: each is a sequence in the batch
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 
 
@@ -34,6 +35,7 @@ class ChatRequest:
     # OpenAI's function tools, passed through to the chat template as apply_chat_template does.
     tools: list[dict[str, Any]] | None = None
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    n: int = 1  # choices to generate
 
 
 def is_chat(payload: Any) -> bool:
@@ -56,6 +58,7 @@ def parse_chat(payload: dict[str, Any]) -> ChatRequest:
         sampling.model,
         _parse_tools(payload.get("tools")),
         sampling.include_usage,
+        sampling.n,
     )
 
 
@@ -75,11 +78,13 @@ class OpenAISampling:
     stream: bool
     model: str | None
     include_usage: bool = False
+    n: int = 1
 
 
 def read_openai_sampling(reader: _ParameterReader, default_max_tokens: int) -> OpenAISampling:
     """The parameters chat and completions share, with OpenAI's names and defaults
-    (`temperature` 1.0 samples, 0 is greedy). What lmserve cannot do is refused, not ignored."""
+    (`temperature` 1.0 samples, 0 is greedy; `n` choices, not streamed yet). What lmserve
+    cannot do is refused, not ignored."""
     temperature = reader.number("temperature", 1.0, minimum=0.0, maximum=2.0)
     params = GenerationParams(
         max_new_tokens=reader.integer("max_tokens", default_max_tokens, minimum=1),
@@ -88,8 +93,9 @@ def read_openai_sampling(reader: _ParameterReader, default_max_tokens: int) -> O
         top_p=reader.number("top_p", 1.0, minimum=0.0, exclusive_minimum=True, maximum=1.0),
         seed=reader.integer("seed", None, minimum=0),
     )
-    if reader.integer("n", 1, minimum=1) != 1:
-        raise BadRequest("n", "only n=1 is supported")
+    n = reader.integer("n", 1, minimum=1)
+    if n > _MAX_N:
+        raise BadRequest("n", f"at most {_MAX_N}")
     for penalty in ("frequency_penalty", "presence_penalty"):
         if reader.number(penalty, 0.0, minimum=-2.0, maximum=2.0) != 0.0:
             raise BadRequest(penalty, "not supported (use 0)")
@@ -97,9 +103,10 @@ def read_openai_sampling(reader: _ParameterReader, default_max_tokens: int) -> O
     if model is not None and not isinstance(model, str):
         raise BadRequest("model", f"expected a string, got {model!r}")
     stream = reader.boolean("stream", False)
-    return OpenAISampling(
-        params, reader.stop_sequences("stop"), stream, model, _include_usage(reader.raw, stream)
-    )
+    if stream and n > 1:
+        raise BadRequest("n", "n > 1 is not streamed yet: use stream=false")
+    stop = reader.stop_sequences("stop")
+    return OpenAISampling(params, stop, stream, model, _include_usage(reader.raw, stream), n)
 
 
 def _include_usage(payload: dict[str, Any], stream: bool) -> bool:
@@ -145,17 +152,20 @@ class ChatResponder:
         self.include_usage = include_usage
         self._sent_role = False
 
-    def completion(self, completion: Completion) -> dict:
+    def completion(self, completions: list[Completion]) -> dict:
+        """A `chat.completion` with one choice per completion (OpenAI's `n`)."""
+        choices = [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": completion.text},
+                "finish_reason": FINISH_REASONS.get(completion.finish_reason, "stop"),
+            }
+            for index, completion in enumerate(completions)
+        ]
         return {
             **self._envelope("chat.completion"),
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": completion.text},
-                    "finish_reason": FINISH_REASONS.get(completion.finish_reason, "stop"),
-                }
-            ],
-            "usage": self._usage(completion),
+            "choices": choices,
+            "usage": self._usage(*completions),
         }
 
     def token(self, token_id, text, log_prob, special, completion: Completion | None) -> str:
@@ -185,8 +195,8 @@ class ChatResponder:
     def _envelope(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _usage(self, completion: Completion) -> dict:
-        generated = len(completion.token_ids)
+    def _usage(self, *completions: Completion) -> dict:
+        generated = sum(len(completion.token_ids) for completion in completions)
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": generated,

@@ -96,7 +96,12 @@ class LLMHandler:
             )
             return HandlerResponse(stream=stream, content_type=responder.content_type)
         answers = self.predictor.complete_prompts(
-            parsed.prompts, sampling.params, sampling.stop, request.request_id, request.client_gone
+            parsed.prompts,
+            sampling.params,
+            sampling.stop,
+            request.request_id,
+            request.client_gone,
+            sampling.n,
         )
         return HandlerResponse(json=responder.completion(answers))
 

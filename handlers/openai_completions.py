@@ -5,7 +5,7 @@ in, `text_completion` objects out, whole or as SSE chunks ending in `data: [DONE
 Parameters: `max_tokens` (OpenAI's default 16), `temperature`, `top_p`, `seed`, `stop`,
 `stream`, `echo` (the prompt before the text), `logprobs` (0: each token's log-prob; 1 with
 greedy decoding, where the most likely token is the chosen one; alternatives beyond the chosen
-token are not computed, so anything else is refused), `n` = 1.
+token are not computed, so anything else is refused), `n` (choices per prompt, not streamed).
 """
 
 from __future__ import annotations
@@ -66,9 +66,10 @@ class CompletionResponder:
         self._offset = 0  # characters of text sent so far (a stream's text_offset)
 
     def completion(self, answers: list[tuple[Completion, int]]) -> dict:
-        """`answers`: each prompt's Completion and its number of prompt tokens."""
+        """`answers`: the `n` Completions of each prompt, prompt by prompt, each with its
+        prompt's number of tokens (counted once per prompt, as OpenAI does)."""
         choices = [self._choice(index, c) for index, (c, _) in enumerate(answers)]
-        prompt_tokens = sum(n for _, n in answers)
+        prompt_tokens = sum(tokens for _, tokens in answers[:: self.request.sampling.n])
         generated = sum(len(c.token_ids) for c, _ in answers)
         return {**self._envelope(), "choices": choices, "usage": _usage(prompt_tokens, generated)}
 

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.context_length import context_length_of
 from lmserve.rolling_batch.runtime import Runtime
@@ -192,29 +194,42 @@ class Predictor:
             return self.stream_prompt(
                 prompt, prompt_ids, chat.params, chat.stop_sequences, request_id, responder
             )
-        (generation,) = self._generate_all(
-            [prompt_ids], chat.params, request_id, client_gone, chat.stop_sequences
-        )
-        completion = complete(
-            self.tokenizer,
-            prompt,
-            generation.token_ids,
-            generation.log_probs,
-            generation.finish_reason,
+        generations = self._generate_all(
+            [prompt_ids] * chat.n,
+            sequence_params(chat.params, chat.n),
+            request_id,
+            client_gone,
             chat.stop_sequences,
         )
-        return responder.completion(completion)
+        completions = [
+            complete(
+                self.tokenizer,
+                prompt,
+                generation.token_ids,
+                generation.log_probs,
+                generation.finish_reason,
+                chat.stop_sequences,
+            )
+            for generation in generations
+        ]
+        return responder.completion(completions)
 
     def complete_prompts(
-        self, texts, params, stop_sequences, request_id: str, client_gone=None
+        self, texts, params, stop_sequences, request_id: str, client_gone=None, n: int = 1
     ) -> list[tuple[Completion, int]]:
-        """OpenAI completions: each prompt's Completion (stop sequences applied) and its
-        number of prompt tokens."""
-        prompt_ids = [
+        """OpenAI completions: `n` Completions (stop sequences applied) of each prompt, prompt
+        by prompt, each with its prompt's number of tokens."""
+        each_prompt = [
             self.prompt_ids(text, params.max_new_tokens, "prompt", "max_tokens") for text in texts
         ]
+        prompt_ids = [ids for ids in each_prompt for _ in range(n)]
+        texts = [text for text in texts for _ in range(n)]
         generations = self._generate_all(
-            prompt_ids, params, request_id, client_gone, stop_sequences
+            prompt_ids,
+            sequence_params(params, n) * len(each_prompt),
+            request_id,
+            client_gone,
+            stop_sequences,
         )
         return [
             (
@@ -240,9 +255,10 @@ class Predictor:
         one is ended in the engine there, instead of running on to max_new_tokens."""
         watch = bool(stop_sequences)
         engine_ids = [f"{request_id}/{index}" for index in range(len(prompts))]
+        each = params if isinstance(params, list) else [params] * len(prompts)
         queues = [
-            self.client.submit(protocol.GenerateRequest(i, p, params, stream=watch))
-            for i, p in zip(engine_ids, prompts)
+            self.client.submit(protocol.GenerateRequest(i, p, q, stream=watch))
+            for i, p, q in zip(engine_ids, prompts, each)
         ]
         submitted = time.monotonic()
         finished: set[str] = set()  # each engine request is finished exactly once
@@ -315,6 +331,15 @@ class Predictor:
     def _next_event(self, events: queue.SimpleQueue, since: float, client_gone=None):
         timeout_s = self.runtime.config.predict_timeout
         return next_event(events, self.client, since, timeout_s, client_gone)
+
+
+def sequence_params(params: protocol.GenerationParams, n: int) -> list[protocol.GenerationParams]:
+    """The parameters of `n` sequences of one prompt (OpenAI's `n`): a seeded request's
+    sequences get seeds seed, seed + 1, ... (reproducible, and different from each other);
+    unseeded ones each draw their own."""
+    if params.seed is None:
+        return [params] * n
+    return [msgspec.structs.replace(params, seed=params.seed + i) for i in range(n)]
 
 
 def _reaches_stop(watcher: IncrementalDetokenizer, event: protocol.Event) -> bool:

@@ -430,7 +430,8 @@ def test_a_stream_without_include_usage_has_no_usage(smollm2_dir, tokenizer):
     [
         ({"prompt": ""}, "prompt"),
         ({"prompt": ["a", 3]}, "prompt"),
-        ({"prompt": "a", "n": 2}, "n"),
+        ({"prompt": "a", "n": 2, "stream": True}, "n"),
+        ({"prompt": "a", "n": 17}, "n"),
         ({"prompt": "a", "logprobs": 1}, "logprobs"),  # sampled: alternatives not computed
         ({"prompt": ["a", "b"], "stream": True}, "prompt"),
         ({"prompt": "a", "max_tokens": 500}, "max_tokens"),
@@ -573,3 +574,28 @@ def test_request_output_formatter_wins_over_a_model_py_formatter(smollm2_dir, to
         assert call(handler, named).json == {"generated_text": REPLY}
     finally:
         sys.modules.pop("model", None)
+
+
+def test_n_choices_per_prompt_with_their_own_seeds(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    payload = {"prompt": ["a", "b"], "n": 3, "seed": 7, "max_tokens": 4}
+    answer = call(handler, payload, Route.COMPLETIONS)
+    assert [c["index"] for c in answer.json["choices"]] == list(range(6))
+    # Three sequences of each prompt, in prompt order, seeded 7, 8, 9 (reproducible, distinct).
+    assert [m.params.seed for m in engine.messages] == [7, 8, 9, 7, 8, 9]
+    prompts = [tuple(m.prompt_ids) for m in engine.messages]
+    assert prompts[:3] == [tuple(tokenizer.encode("a"))] * 3
+    usage = answer.json["usage"]
+    assert usage["prompt_tokens"] == len(tokenizer.encode("a")) + len(tokenizer.encode("b"))
+    assert usage["completion_tokens"] == 6 * 4
+    engine.assert_each_finished_once()
+
+
+def test_chat_n_choices(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    payload = {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 5}
+    answer = call(handler, payload, Route.CHAT_COMPLETIONS)
+    assert [c["index"] for c in answer.json["choices"]] == [0, 1]
+    assert answer.json["usage"]["completion_tokens"] == 10
+    assert answer.json["usage"]["prompt_tokens"] == len(engine.messages[0].prompt_ids)
+    assert len(engine.messages) == 2

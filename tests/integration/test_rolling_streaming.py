@@ -210,7 +210,7 @@ def test_streamed_chat_chunks_add_up_to_the_answer(server):
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ({"messages": CHAT, "n": 2}, "n"),
+        ({"messages": CHAT, "n": 17}, "n"),
         ({"messages": CHAT, "temperature": 3}, "temperature"),
         ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
     ],
