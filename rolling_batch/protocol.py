@@ -40,6 +40,10 @@ class FinishReason(StrEnum):
     STOP_SEQUENCE = "stop_sequence"
 
 
+# The most alternatives a request may ask for at each position (OpenAI chat's limit).
+MAX_TOP_LOGPROBS = 20
+
+
 class GenerationParams(msgspec.Struct, frozen=True):
     """The parameters an engine acts on. Requests with equal params can share a static batch."""
 
@@ -51,6 +55,12 @@ class GenerationParams(msgspec.Struct, frozen=True):
     repetition_penalty: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    # Log-probs to report, which change nothing generated: the `top_logprobs` most likely
+    # tokens at each generated position (0: only the chosen token's), and with
+    # `prompt_logprobs` each prompt token's log-prob given the tokens before it (the prefill
+    # computes them; the same `top_logprobs` alternatives per position).
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
 
     def batch_key(self) -> tuple:
         """Requests that may run in one HF `generate` call: everything but the length, which
@@ -120,12 +130,20 @@ class _FromEngine(msgspec.Struct, tag_field="kind"):
     pass
 
 
+# The most likely tokens at one position, most likely first: (token id, log-prob) pairs.
+TopLogprobs = list[tuple[int, float]]
+
+
 class TokenEvent(_FromEngine, tag="token"):
-    """More tokens of a request still running (rolling engine, streamed requests)."""
+    """More tokens of a request still running (rolling engine, streamed requests). The
+    request's first event carries its prompt's log-probs when it asked for them."""
 
     id: str
     token_ids: list[int]
     log_probs: list[float]
+    top_logprobs: list[TopLogprobs] | None = None  # one list per token, when asked
+    prompt_log_probs: list[float] | None = None  # prompt tokens 2.. (the first has none)
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
 
 class FinalEvent(_FromEngine, tag="final"):
@@ -137,6 +155,9 @@ class FinalEvent(_FromEngine, tag="final"):
     log_probs: list[float]
     finish_reason: FinishReason
     batch_size: int
+    top_logprobs: list[TopLogprobs] | None = None
+    prompt_log_probs: list[float] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
 
 class ErrorEvent(_FromEngine, tag="error"):
