@@ -4,6 +4,7 @@
       drain new requests and aborts from the socket into the scheduler
       out = scheduler.schedule()
       logits = execute(out.chunks)          # broadcast to every rank, all run the model
+                                            # (and score prompts that asked for log-probs)
       sampled = sampler.sample(logits)      # rank 0 only
       events = scheduler.update(out, sampled)
       send(events)                          # one frame per web worker
@@ -28,6 +29,7 @@ from .ipc import drain_router
 from .request import Request
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
+from .step import Sample
 
 log = logging.getLogger("lmserve.engine")
 
@@ -103,7 +105,7 @@ class RollingEngine:
         timer.mark("schedule")
         try:
             # On CUDA this returns before the kernels finish: their time shows in "sample".
-            logits = self.execute(out.chunks)
+            step_logits = self.execute(out.chunks)
         except Exception as error:
             if self.world_size > 1:
                 raise  # the other ranks may be inside a collective: end the job
@@ -113,8 +115,9 @@ class RollingEngine:
             self._fail(out.requests, status, f"model step failed: {error!r}")
             return
         timer.mark("forward")
+        self.scheduler.record_prompt_scores(out, step_logits.prompt_scores)
         try:
-            sampled, failed = self.sampler.sample(logits, out.sampling)
+            sampled, failed = self.sampler.sample(step_logits.logits, out.sampling)
         except Exception as error:  # a sampler bug must not end the engine; rank 0 only
             log.exception("sampling failed; failing its %d requests", len(out.sampling))
             sampled, failed = {}, [(request, error) for request in out.sampling]
@@ -139,35 +142,48 @@ class RollingEngine:
 
     def _events_by_worker(self, produced, batch_size: int) -> dict[bytes, list[protocol.Event]]:
         events: dict[bytes, list[protocol.Event]] = {}
-        for request, token, log_prob in produced:
-            event = self._event(request, token, log_prob, batch_size)
+        for request, sample in produced:
+            event = self._event(request, sample, batch_size)
             if event is not None:
                 events.setdefault(request.reply_to, []).append(event)
         return events
 
-    def _event(self, request: Request, token: int, log_prob: float, batch_size: int):
+    def _event(self, request: Request, sample: Sample, batch_size: int):
         """The event for this step's token, counted in the stats; None for a request that is
-        not streamed and not finished (its final event carries every token)."""
+        not streamed and not finished (its final event carries every token). A streamed
+        request's first event carries its prompt's log-probs, if asked."""
         now = time.monotonic()
-        if request.first_token_time is None:
+        first = request.first_token_time is None
+        if first:
             request.first_token_time = now
             self.stats.time_to_first_token.observe(now - request.arrival_time)
         else:
             self.stats.time_per_token.observe(now - request.last_token_time)
         request.last_token_time = now
         self.stats.tokens_generated += 1
-        if request.finish_reason is None:
-            if request in self._unstreamed:
-                return None
-            return protocol.TokenEvent(request.request_id, [token], [log_prob])
-        self.stats.finished[request.finish_reason] += 1
-        if request in self._unstreamed:
+        unstreamed = request in self._unstreamed
+        if request.finish_reason is not None:
+            self.stats.finished[request.finish_reason] += 1
+            self._forget(request)
+        elif unstreamed:
+            return None
+        if unstreamed:  # the final event: every token
             token_ids, log_probs = request.output_ids, request.output_log_probs
+            top = request.output_top_logprobs if request.params.top_logprobs else None
         else:
-            token_ids, log_probs = [token], [log_prob]
-        self._forget(request)
+            token_ids, log_probs = [sample.token], [sample.log_prob]
+            top = None if sample.top_logprobs is None else [sample.top_logprobs]
+        prompt = _prompt_log_probs(request) if first or unstreamed else {}
+        if request.finish_reason is None:
+            return protocol.TokenEvent(request.request_id, token_ids, log_probs, top, **prompt)
         return protocol.FinalEvent(
-            request.request_id, token_ids, log_probs, request.finish_reason, batch_size
+            request.request_id,
+            token_ids,
+            log_probs,
+            request.finish_reason,
+            batch_size,
+            top,
+            **prompt,
         )
 
     def _forget(self, request: Request) -> None:
@@ -178,7 +194,7 @@ class RollingEngine:
         self.stats.num_steps += 1
         if out.num_joined and running_before > out.num_joined:
             self.stats.num_steps_with_joins += 1
-        finished = sum(1 for request, _, _ in produced if request.finish_reason is not None)
+        finished = sum(1 for request, _ in produced if request.finish_reason is not None)
         if finished and len(self.scheduler.running) > 0:
             self.stats.num_steps_with_leaves += 1
 
@@ -239,3 +255,11 @@ class RollingEngine:
 
     def _send(self, identity: bytes, event: protocol.FromEngine) -> None:
         self.socket.send_multipart([identity, protocol.encode(event)])
+
+
+def _prompt_log_probs(request: Request) -> dict:
+    """The prompt's log-probs as event fields, for a request that asked for them."""
+    if not request.params.prompt_logprobs:
+        return {}
+    top = request.prompt_top_logprobs if request.params.top_logprobs else None
+    return {"prompt_log_probs": request.prompt_log_probs, "prompt_top_logprobs": top}

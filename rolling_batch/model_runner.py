@@ -3,13 +3,33 @@ caller schedules, described torch-free so it can be sent to every rank."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from lmserve.kernels import cpu_native
 from lmserve.kernels.paged_attention import ReferencePlan
 
 from .layers.attention import AttentionMetadata
+from .sampler import top_logprobs_of
 from .step import SequenceChunk
+
+# Prompt rows are scored this many at a time: the fp32 logits of 256 rows of a 49k vocabulary
+# are 50 MB, of a whole 2048-token chunk 400 MB.
+_SCORE_ROWS = 256
+
+
+class PromptScores(NamedTuple):
+    """A chunk's scored prompt positions: the log-prob of each next prompt token, and the
+    most likely alternatives at each position when the chunk asked for them."""
+
+    log_probs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class StepLogits(NamedTuple):
+    logits: torch.Tensor  # fp32 [number of chunks that need them, vocab], in chunk order
+    prompt_scores: dict[int, PromptScores]  # by chunk index, for chunks that ask
 
 
 class ModelRunner:
@@ -25,12 +45,37 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_caches[0][0].shape[0]
 
-    @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk]) -> torch.Tensor:
         """fp32 logits `[number of chunks that need them, vocab]`, in chunk order."""
+        return self.execute_step(chunks).logits
+
+    @torch.inference_mode()
+    def execute_step(self, chunks: list[SequenceChunk]) -> StepLogits:
+        """The logits, and the prompt log-probs of the chunks that ask (every rank computes
+        them: the LM head's gather is a collective)."""
         input_ids, positions, meta, logits_rows = self._prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        return self.model.compute_logits(hidden[logits_rows])
+        scores = {}
+        first_row = 0
+        for index, chunk in enumerate(chunks):
+            if chunk.score_targets:
+                start = first_row + chunk.score_from
+                rows = hidden[start : start + len(chunk.score_targets)]
+                scores[index] = self._score(rows, chunk.score_targets, chunk.score_top)
+            first_row += len(chunk.token_ids)
+        return StepLogits(self.model.compute_logits(hidden[logits_rows]), scores)
+
+    def _score(self, hidden: torch.Tensor, targets: tuple[int, ...], top: int) -> PromptScores:
+        log_probs: list[float] = []
+        tops: list | None = [] if top > 0 else None
+        for start in range(0, len(targets), _SCORE_ROWS):
+            logits = self.model.compute_logits(hidden[start : start + _SCORE_ROWS])
+            distribution = torch.log_softmax(logits, dim=-1)
+            wanted = torch.tensor(targets[start : start + _SCORE_ROWS], device=logits.device)
+            log_probs += distribution.gather(1, wanted[:, None])[:, 0].tolist()
+            if tops is not None:
+                tops += top_logprobs_of(distribution, top)
+        return PromptScores(log_probs, tops)
 
     def _prepare(self, chunks: list[SequenceChunk]):
         block_size = self.block_size

@@ -62,9 +62,12 @@ class StepBroadcaster:
         self.comm = comm
 
     def __call__(self, chunks):
+        return self.execute_step(chunks).logits
+
+    def execute_step(self, chunks):
         for rank in range(1, self.comm.Get_size()):
             self.comm.send(chunks, dest=rank, tag=_STEP_TAG)
-        return self.runner.execute(chunks)
+        return self.runner.execute_step(chunks)
 
     def stop_followers(self) -> None:
         for rank in range(1, self.comm.Get_size()):

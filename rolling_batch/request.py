@@ -21,6 +21,10 @@ class Request:
     reply_to: bytes = b""
     output_ids: list[int] = field(default_factory=list)
     output_log_probs: list[float] = field(default_factory=list)
+    # Reported log-probs, only when the params ask (protocol.GenerationParams).
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_log_probs: list[float] = field(default_factory=list)  # prompt tokens 2.. so far
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
     status: str = WAITING

@@ -1,7 +1,9 @@
 """Batched sampling on rank 0: repetition penalty, then greedy or temperature/top-k/top-p
 sampling, with HF transformers' semantics, in a few whole-batch tensor ops per step (per-row
 ops cost 1-5 ms per sampled row at SmolLM2's 49k vocabulary). Log-probs are of the chosen
-token under the processed distribution (as HF's `scores`).
+token under the processed distribution (as HF's `scores`); a request asking for `top_logprobs`
+gets that many alternatives from the same distribution, most likely first, leaving out tokens
+the filters removed (log-prob -inf).
 
 Each request draws from its own generator, seeded by its `seed`: one uniform per step, which
 picks the token by inverting the row's cumulative distribution. Every batched op here works
@@ -15,6 +17,7 @@ import random
 import torch
 
 from .request import Request
+from .step import Sample
 
 # Top-p looks for the nucleus among the most likely tokens first (torch.topk), and sorts the
 # whole vocabulary only for rows whose nucleus is wider: a full sort of 32 x 49k logits took
@@ -71,8 +74,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[Request]):
         """`logits`: fp32 `[len(requests), vocab]`, row i for requests[i] (left unchanged).
-        Returns ({request: (token, log_prob)}, [(request, error)]): a row that cannot be
-        sampled (say its temperature overflows the logits) fails alone."""
+        Returns ({request: Sample}, [(request, error)]): a row that cannot be sampled (say
+        its temperature overflows the logits) fails alone."""
         if not requests:
             return {}, []
         try:
@@ -85,7 +88,7 @@ class Sampler:
                     results += self._sample_batch(logits[row : row + 1], [request])
                 except _ROW_ERRORS as error:
                     results.append(error)
-        sampled: dict[Request, tuple[int, float]] = {}
+        sampled: dict[Request, Sample] = {}
         failed: list[tuple[Request, Exception]] = []
         for request, result in zip(requests, results):
             if isinstance(result, Exception):
@@ -101,7 +104,7 @@ class Sampler:
         return state
 
     def _sample_batch(self, logits: torch.Tensor, requests: list[Request]) -> list:
-        """(token, log_prob) or an exception for each row."""
+        """A Sample or an exception for each row."""
         states = [self._state(request) for request in requests]
         scores = _penalize_rows(logits, requests, states)
         results: list = [None] * len(requests)
@@ -110,9 +113,11 @@ class Sampler:
         if greedy:
             rows = _select(scores, greedy)
             chosen = torch.max(rows, dim=-1).indices  # the first of equal maxima, as argmax
-            log_probs = torch.log_softmax(rows, dim=-1).gather(1, chosen[:, None])
-            for i, token, log_prob in zip(greedy, chosen.tolist(), log_probs.tolist()):
-                results[i] = (token, log_prob[0])
+            distribution = torch.log_softmax(rows, dim=-1)
+            log_probs = distribution.gather(1, chosen[:, None])
+            tops = _top_logprobs(distribution, [requests[i] for i in greedy])
+            for i, token, log_prob, top in zip(greedy, chosen.tolist(), log_probs.tolist(), tops):
+                results[i] = Sample(token, log_prob[0], top)
         if drawn:
             params = [requests[i].params for i in drawn]
             _, probs = _filter_rows(
@@ -123,14 +128,41 @@ class Sampler:
             )
             uniforms = torch.cat([states[i].draw() for i in drawn]).to(probs.dtype)
             chosen, log_probs, valid = _invert_cdf(probs, uniforms)
-            for i, token, log_prob, ok in zip(
-                drawn, chosen.tolist(), log_probs.tolist(), valid.tolist()
+            tops = _top_logprobs(probs, [requests[i] for i in drawn], normalize=True)
+            for i, token, log_prob, ok, top in zip(
+                drawn, chosen.tolist(), log_probs.tolist(), valid.tolist(), tops
             ):
-                results[i] = (token, log_prob) if ok else RuntimeError(_NOT_FINITE)
+                results[i] = Sample(token, log_prob, top) if ok else RuntimeError(_NOT_FINITE)
         return results
 
 
 _NOT_FINITE = "the row's probabilities are not finite (temperature too low for its logits?)"
+
+
+def _top_logprobs(rows: torch.Tensor, requests: list[Request], normalize: bool = False) -> list:
+    """Each request's `top_logprobs` most likely tokens of its row, [(token, log_prob)], or None
+    where it asked for none. `rows` are log-probs, or with `normalize` unnormalized
+    probabilities (the drawn rows' filtered distribution)."""
+    wanted = [i for i, r in enumerate(requests) if r.params.top_logprobs > 0]
+    tops: list = [None] * len(requests)
+    if not wanted:
+        return tops
+    selected = _select(rows, wanted)
+    k = min(max(requests[i].params.top_logprobs for i in wanted), rows.shape[-1])
+    values, tokens = torch.topk(selected, k, dim=-1)
+    if normalize:  # the order of probabilities is the order of their logs
+        values = torch.log(values / selected.sum(dim=-1, keepdim=True))
+    for i, row_values, row_tokens in zip(wanted, values.tolist(), tokens.tolist()):
+        count = requests[i].params.top_logprobs
+        pairs = zip(row_tokens[:count], row_values[:count])
+        tops[i] = [(token, value) for token, value in pairs if value != float("-inf")]
+    return tops
+
+
+def top_logprobs_of(log_probs: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """The `k` most likely (token, log_prob) of each row of `log_probs`, most likely first."""
+    values, tokens = torch.topk(log_probs, min(k, log_probs.shape[-1]), dim=-1)
+    return [list(zip(t, v)) for t, v in zip(tokens.tolist(), values.tolist())]
 
 
 def _select(scores: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -132,23 +132,32 @@ class Scheduler:
         needs_logits = start + num_new == request.num_tokens
         out.requests.append(request)
         out.chunks.append(
-            SequenceChunk(tuple(tokens), start, tuple(request.block_ids), needs_logits)
+            SequenceChunk(
+                tuple(tokens),
+                start,
+                tuple(request.block_ids),
+                needs_logits,
+                **_prompt_scoring(request, start, num_new),
+            )
         )
 
     def update(self, out: SchedulerOutput, sampled: dict, eos_ids: set[int]):
-        """Records this step: computed tokens advance, sampled tokens (`{request: (token,
-        log_prob)}`) are appended, finished requests leave the batch and free their blocks.
-        Returns (request, token, log_prob) for every sampled token."""
+        """Records this step: computed tokens advance, sampled tokens (`{request: Sample}`) are
+        appended, finished requests leave the batch and free their blocks. Returns (request,
+        Sample) for every sampled token."""
         for request, chunk in zip(out.requests, out.chunks):
             request.num_computed_tokens += len(chunk.token_ids)
         produced = []
         for request in out.sampling:
             if request not in sampled:  # failed while sampling: already finished
                 continue
-            token, log_prob = sampled[request]
+            sample = sampled[request]
+            token = sample.token
             request.output_ids.append(token)
-            request.output_log_probs.append(log_prob)
-            produced.append((request, token, log_prob))
+            request.output_log_probs.append(sample.log_prob)
+            if sample.top_logprobs is not None:
+                request.output_top_logprobs.append(sample.top_logprobs)
+            produced.append((request, sample))
             reason = self._finish_reason(request, token, eos_ids)
             if reason is not None:
                 self.running.remove(request)
@@ -174,8 +183,33 @@ class Scheduler:
                     queue.remove(request)
             self.finish(request, "error")
 
+    def record_prompt_scores(self, out: SchedulerOutput, scores: dict) -> None:
+        """Adds this step's prompt log-probs (`{chunk index: PromptScores}`) to their requests."""
+        for index, score in scores.items():
+            request = out.requests[index]
+            request.prompt_log_probs += score.log_probs
+            if score.top_logprobs is not None:
+                request.prompt_top_logprobs += score.top_logprobs
+
     def check_invariants(self) -> None:
         self.blocks.check_invariants(self.running + list(self.waiting))
         assert len(self.running) <= self.max_running
         assert all(r.status == RUNNING for r in self.running)
         assert all(r.status == WAITING and not r.block_ids for r in self.waiting)
+
+
+def _prompt_scoring(request: Request, start: int, num_new: int) -> dict:
+    """What of a chunk to score for a request that asked for its prompt's log-probs: positions
+    start.. predict the prompt's tokens start + 1.., up to the prompt's last token. Positions
+    scored before (the request was preempted and is recomputed) are not scored again."""
+    if not request.params.prompt_logprobs:
+        return {}
+    first = max(start, len(request.prompt_log_probs))
+    end = min(start + num_new, len(request.prompt_ids) - 1)
+    if first >= end:
+        return {}
+    return {
+        "score_from": first - start,
+        "score_targets": tuple(request.prompt_ids[first + 1 : end + 1]),
+        "score_top": request.params.top_logprobs,
+    }

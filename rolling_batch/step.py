@@ -4,14 +4,30 @@ Torch-free (the scheduler builds it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
 class SequenceChunk:
     """One sequence's part of a step: `token_ids` are new (positions `num_computed`...), its KV
-    blocks are `block_ids`, and `needs_logits` asks for the logits after its last token."""
+    blocks are `block_ids`, and `needs_logits` asks for the logits after its last token.
+
+    A prompt whose log-probs were asked for is scored as it is computed: the chunk's rows from
+    `score_from` on predict `score_targets` (the prompt's next tokens), and the step returns
+    their log-probs, with the `score_top` most likely alternatives at each when above 0."""
 
     token_ids: tuple[int, ...]
     num_computed: int
     block_ids: tuple[int, ...]
     needs_logits: bool
+    score_from: int = 0
+    score_targets: tuple[int, ...] = ()
+    score_top: int = 0
+
+
+class Sample(NamedTuple):
+    """The token sampled for one sequence at a step (rank 0's sampler)."""
+
+    token: int
+    log_prob: float
+    top_logprobs: list[tuple[int, float]] | None = None  # when the request asks for them

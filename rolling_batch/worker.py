@@ -70,7 +70,7 @@ def main() -> None:
     )
     write_state(runtime, protocol.EngineState.READY, dtype=dtype, device=str(runner.device))
     engine = RollingEngine(
-        StepBroadcaster(runner, comm),
+        StepBroadcaster(runner, comm).execute_step,
         scheduler,
         Sampler(runner.device),
         socket,

@@ -20,6 +20,7 @@ from lmserve.rolling_batch.block_manager import BlockManager
 from lmserve.rolling_batch.engine_loop import RollingEngine
 from lmserve.rolling_batch.engine_stats import PHASES, PhaseTimer, StepProfile
 from lmserve.rolling_batch.ipc import drain_router
+from lmserve.rolling_batch.model_runner import PromptScores, StepLogits
 from lmserve.rolling_batch.protocol import GenerationParams
 from lmserve.rolling_batch.sampler import Sampler
 from lmserve.rolling_batch.scheduler import Scheduler
@@ -27,13 +28,25 @@ from lmserve.rolling_batch.scheduler import Scheduler
 VOCAB = 64
 
 
-def fake_execute(chunks) -> torch.Tensor:
-    """Logits whose argmax is (last token + 1) % VOCAB: a predictable greedy 'model'."""
-    rows = [chunk for chunk in chunks if chunk.needs_logits]
-    logits = torch.zeros(len(rows), VOCAB)
-    for row, chunk in enumerate(rows):
-        logits[row, (chunk.token_ids[-1] + 1) % VOCAB] = 5.0
+def fake_logits(tokens) -> torch.Tensor:
+    """Logits whose argmax is (token + 1) % VOCAB after each token: a predictable greedy
+    'model'."""
+    logits = torch.zeros(len(tokens), VOCAB)
+    for row, token in enumerate(tokens):
+        logits[row, (token + 1) % VOCAB] = 5.0
     return logits
+
+
+def fake_execute(chunks) -> StepLogits:
+    last_tokens = [chunk.token_ids[-1] for chunk in chunks if chunk.needs_logits]
+    scores = {}
+    for index, chunk in enumerate(chunks):
+        if chunk.score_targets:
+            rows = chunk.token_ids[chunk.score_from : chunk.score_from + len(chunk.score_targets)]
+            log_probs = torch.log_softmax(fake_logits(rows), dim=-1)
+            targets = torch.tensor(chunk.score_targets)
+            scores[index] = PromptScores(log_probs.gather(1, targets[:, None])[:, 0].tolist(), None)
+    return StepLogits(fake_logits(last_tokens), scores)
 
 
 @pytest.fixture
@@ -77,8 +90,10 @@ def run_until_idle(engine: RollingEngine) -> None:
         engine.step()
 
 
-def submit(dealer, request_id: str, prompt: list[int], max_new: int, stream=True) -> None:
-    params = GenerationParams(max_new_tokens=max_new, ignore_eos=True)
+def submit(
+    dealer, request_id: str, prompt: list[int], max_new: int, stream=True, **logprobs
+) -> None:
+    params = GenerationParams(max_new_tokens=max_new, ignore_eos=True, **logprobs)
     message = protocol.GenerateRequest(request_id, prompt, params, stream=stream)
     dealer.send(protocol.encode(message))
 
@@ -272,3 +287,32 @@ def test_out_of_memory_in_a_step_is_507_and_the_engine_goes_on(sockets):
     assert "out of memory" in failed.message
     assert [type(e) for e in events if e.id == "after"][-1] is protocol.FinalEvent
     assert engine.scheduler.blocks.num_free == 64
+
+
+def test_log_probs_asked_for_come_with_the_tokens_and_the_first_event(sockets):
+    """Top log-probs with every token, the prompt's (scored over two prefill chunks: the
+    budget is 256 tokens) with the first event, streamed or not; nothing for others."""
+    router, connect = sockets
+    engine = make_engine(router)
+    dealer = connect()
+    prompt = [(7 * i) % VOCAB for i in range(300)]
+    asks = {"prompt_logprobs": True, "top_logprobs": 2}
+    submit(dealer, "streamed", prompt, 3, **asks)
+    submit(dealer, "quiet", prompt, 3, stream=False, **asks)
+    submit(dealer, "plain", prompt[:5], 3)
+    wait_for_messages(router)
+    run_until_idle(engine)
+    events = receive_all(dealer)
+    expected_prompt = torch.log_softmax(fake_logits(prompt[:-1]), -1)
+    expected_prompt = expected_prompt.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    for name in ("streamed", "quiet"):
+        mine = [e for e in events if e.id == name]
+        assert mine[0].prompt_log_probs == pytest.approx(expected_prompt.tolist(), abs=1e-6)
+        assert all(e.prompt_log_probs is None for e in mine[1:])
+        tops = [top for e in mine for top in e.top_logprobs]
+        tokens = [token for e in mine for token in e.token_ids]
+        assert len(tops) == len(tokens) == 3
+        # The fake model puts its mass on one token: the sampled one comes first.
+        assert [top[0][0] for top in tops] == tokens and all(len(top) == 2 for top in tops)
+    plain = [e for e in events if e.id == "plain"]
+    assert all(e.top_logprobs is None and e.prompt_log_probs is None for e in plain)

@@ -87,3 +87,31 @@ def test_packed_steps_match_hf_logits(model_dir, hf_model, block_size, paged, ke
             expected = hf_model(torch.tensor([sequence])).logits[0, -1]
         error = (logits - expected).abs().max() / expected.abs().max()
         assert error < 1e-4, f"relative error {error:.2e} after {len(sequence)} tokens"
+
+
+def test_prompt_scores_equal_hf_log_probs_across_chunks(model_dir, hf_model):
+    """A prompt scored as it is prefilled in two chunks beside a decode: each prompt token's
+    log-prob given the tokens before it, and the top 3 at each position, as HF's logits say."""
+    options = RuntimeOptions(
+        dtype="fp32", max_model_len=MAX_MODEL_LEN, paged_attention=True, block_size=4
+    )
+    runner, _, _ = build_runner(model_dir, options, TensorParallelGroup())
+    prompt, other = PROMPTS["b"], PROMPTS["c"]
+    blocks = (tuple(range(0, 8)), tuple(range(8, 16)))
+    scores = []
+    for start, end in ((0, 5), (5, len(prompt))):
+        targets = tuple(prompt[start + 1 : min(end, len(prompt) - 1) + 1])
+        chunk = SequenceChunk(tuple(prompt[start:end]), start, blocks[0], True, 0, targets, 3)
+        decoy = SequenceChunk(tuple(other), 0, blocks[1], True) if start == 0 else None
+        step = runner.execute_step([c for c in (decoy, chunk) if c is not None])
+        scores.append(step.prompt_scores[1 if decoy else 0])
+    log_probs = [value for score in scores for value in score.log_probs]
+    tops = [top for score in scores for top in score.top_logprobs]
+    with torch.inference_mode():
+        expected = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, :-1], dim=-1)
+    wanted = expected.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(log_probs), wanted, atol=1e-4, rtol=1e-4)
+    for top, row in zip(tops, expected, strict=True):
+        values, tokens = torch.topk(row, 3)
+        assert [token for token, _ in top] == tokens.tolist()
+        torch.testing.assert_close(torch.tensor([v for _, v in top]), values, atol=1e-4, rtol=0)

@@ -156,12 +156,36 @@ def test_log_probs_are_under_the_processed_distribution():
     sampled, failed = Sampler(torch.device("cpu")).sample(logits, batch)
     assert not failed
     for row, r in enumerate(batch):
-        token, log_prob = sampled[r]
+        token, log_prob, _ = sampled[r]
         expected = torch.log_softmax(hf_processed(logits[row], r.all_token_ids, r.params), dim=-1)
         assert log_prob == pytest.approx(float(expected[token]), abs=1e-5)
         if not r.params.do_sample:
             assert token == int(torch.argmax(hf_processed(logits[row], r.all_token_ids, r.params)))
     assert sampled[batch[1]][0] in torch.topk(logits[1], 5).indices.tolist()
+
+
+def test_top_logprobs_are_the_most_likely_of_the_processed_distribution():
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(9)) * 3
+    batch = [
+        request("greedy", top_logprobs=5),
+        request("top-k", do_sample=True, top_k=3, top_logprobs=6, seed=2),  # 3 survive
+        request("top-p", do_sample=True, top_p=0.7, temperature=0.8, top_logprobs=20, seed=3),
+        request("none", do_sample=True, seed=4),
+    ]
+    sampled, failed = Sampler(torch.device("cpu")).sample(logits, batch)
+    assert not failed and sampled[batch[3]].top_logprobs is None
+    for row, r in enumerate(batch[:3]):
+        expected = torch.log_softmax(hf_processed(logits[row], r.all_token_ids, r.params), dim=-1)
+        finite = int(torch.isfinite(expected).sum())
+        values, tokens = torch.topk(expected, min(r.params.top_logprobs, finite))
+        top = sampled[r].top_logprobs
+        assert [token for token, _ in top] == tokens.tolist()
+        assert [value for _, value in top] == pytest.approx(values.tolist(), abs=1e-5)
+        # The chosen token's own log-prob is the one its list gives it.
+        assert dict(top).get(sampled[r].token, sampled[r].log_prob) == pytest.approx(
+            sampled[r].log_prob, abs=1e-5
+        )
+    assert len(sampled[batch[1]].top_logprobs) == 3
 
 
 def generate(batch_of_step, steps: int, vocab: int = 1000) -> dict[str, list[int]]:
@@ -210,7 +234,7 @@ def test_draws_follow_the_distribution():
     sampler = Sampler(torch.device("cpu"))
     counts = torch.zeros(5)
     for _ in range(4000):
-        ((token, _),) = sampler.sample(logits, [r])[0].values()
+        ((token, _, _),) = sampler.sample(logits, [r])[0].values()
         counts[token] += 1
     torch.testing.assert_close(counts / 4000, probs, atol=0.025, rtol=0)
     assert counts[4] == 0
@@ -227,7 +251,7 @@ def test_an_overflowing_row_fails_alone_among_sampled_rows():
     sampled, failed = Sampler(torch.device("cpu")).sample(logits, batch)
     assert [r.request_id for r, _ in failed] == ["broken"]
     assert set(sampled) == {batch[0], batch[2], batch[3]}
-    assert all(0 <= token < 50 for token, _ in sampled.values())
+    assert all(0 <= sample.token < 50 for sample in sampled.values())
 
 
 def test_forget_drops_a_request_state_and_a_reused_id_starts_fresh():

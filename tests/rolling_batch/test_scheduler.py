@@ -6,11 +6,13 @@ check_invariants()."""
 from __future__ import annotations
 
 import random
+from typing import NamedTuple
 
 from lmserve.rolling_batch.block_manager import BlockManager
 from lmserve.rolling_batch.protocol import GenerationParams
 from lmserve.rolling_batch.request import Request
 from lmserve.rolling_batch.scheduler import Scheduler
+from lmserve.rolling_batch.step import Sample
 
 EOS = 2
 
@@ -41,7 +43,7 @@ def run(scheduler: Scheduler, requests, on_step=None, arrivals_per_step: int = 3
             if pending:
                 scheduler.add(pending.pop(0))
         out = scheduler.schedule()
-        sampled = {r: (fake_next_token(r.all_token_ids), -0.5) for r in out.sampling}
+        sampled = {r: Sample(fake_next_token(r.all_token_ids), -0.5) for r in out.sampling}
         if on_step is not None:
             on_step(out)
         scheduler.update(out, sampled, {EOS})
@@ -143,7 +145,7 @@ def test_abort_frees_blocks_at_once_wherever_the_request_is():
     scheduler.add(running)
     scheduler.add(queued)
     out = scheduler.schedule()
-    scheduler.update(out, dict.fromkeys(out.sampling, (7, -1.0)), {EOS})
+    scheduler.update(out, dict.fromkeys(out.sampling, Sample(7, -1.0)), {EOS})
     assert running.block_ids and scheduler.blocks.num_free < 20
     assert scheduler.abort("r1").finish_reason == "abort"  # still waiting
     assert scheduler.abort("r0") is running and running.block_ids == []
@@ -162,7 +164,40 @@ def test_eos_ends_a_request_unless_ignored():
     scheduler.add(ignores)
     while scheduler.has_work():
         out = scheduler.schedule()
-        scheduler.update(out, dict.fromkeys(out.sampling, (EOS, -0.1)), {EOS})
+        scheduler.update(out, dict.fromkeys(out.sampling, Sample(EOS, -0.1)), {EOS})
         scheduler.check_invariants()
     assert stops.output_ids == [EOS] and stops.finish_reason == "eos_token"
     assert ignores.output_ids == [EOS] * 3 and ignores.finish_reason == "length"
+
+
+def test_prompt_scoring_covers_each_prompt_position_once_across_chunks_and_preemption():
+    """A prompt that asked for its log-probs: its chunks ask for positions 0..n-2 scored
+    against the next prompt token, each position once, even when a preemption recomputes it."""
+    scheduler = Scheduler(BlockManager(num_blocks=12, block_size=4), 4, 16, 256)
+    prompt = list(range(100, 140))
+    scored = Request("scored", prompt, GenerationParams(max_new_tokens=8, prompt_logprobs=True), 0)
+    others = [Request(f"o{i}", [1, 2, 3], GenerationParams(max_new_tokens=30), 0) for i in range(3)]
+    for request in [*others, scored]:
+        scheduler.add(request)
+    targets: list[int] = []
+    while scheduler.has_work():
+        out = scheduler.schedule()
+        scores = {}
+        for index, (request, chunk) in enumerate(zip(out.requests, out.chunks)):
+            if chunk.score_targets:
+                assert request is scored
+                start = chunk.num_computed + chunk.score_from
+                assert start == len(targets)  # in order, never again
+                targets += chunk.score_targets
+                scores[index] = PromptScoresLike([-1.0] * len(chunk.score_targets), None)
+        scheduler.record_prompt_scores(out, scores)
+        sampled = {r: Sample(fake_next_token(r.all_token_ids), -0.5) for r in out.sampling}
+        scheduler.update(out, sampled, {EOS})
+        scheduler.check_invariants()
+    assert scheduler.num_preemptions > 0 and scored.num_preemptions > 0
+    assert targets == prompt[1:] and len(scored.prompt_log_probs) == len(prompt) - 1
+
+
+class PromptScoresLike(NamedTuple):
+    log_probs: list[float]
+    top_logprobs: list | None
