@@ -2,11 +2,16 @@
 
 Prompts are left-padded so every row's next token sits in the last column; each row is then cut
 to its own `max_new_tokens` and its first EOS, so requests of different lengths share a batch.
+
+Log-probs of generated tokens (and their top alternatives) come from HF's `scores`: the
+distribution after repetition penalty, temperature, top-k and top-p. A prompt's log-probs come
+from the model's raw distribution, in one extra forward pass run only when some row asks.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,9 +19,13 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lmserve.rolling_batch.eos_tokens import eos_token_ids
 from lmserve.rolling_batch.model_loader import resolve_dtype
-from lmserve.rolling_batch.protocol import GenerationParams
+from lmserve.rolling_batch.protocol import GenerationParams, TopLogprobs
 
 log = logging.getLogger(__name__)
+
+# Prompt positions whose fp32 log-softmax is taken at once: the extra memory stays at this many
+# rows of the vocabulary (256 x 49k floats: 50 MB) however long the prompts are.
+_PROMPT_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -24,6 +33,10 @@ class Generation:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str  # "length" | "eos_token"
+    # Only for a request that asked (None otherwise); see protocol.FinalEvent.
+    top_logprobs: list[TopLogprobs] | None = None
+    prompt_log_probs: list[float] | None = None  # len(prompt) - 1 values
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
 
 class HFEngine:
@@ -49,14 +62,9 @@ class HFEngine:
     def generate(
         self, prompts: list[list[int]], params: list[GenerationParams]
     ) -> list[Generation]:
-        """`params` share one `batch_key()`; only max_new_tokens may differ."""
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor(
-            [[self.pad_token_id] * (width - len(p)) + p for p in prompts], device=self.device
-        )
-        attention_mask = torch.tensor(
-            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device
-        )
+        """`params` share one `batch_key()`; max_new_tokens and the log-probs asked for (which
+        are not part of the key) may differ."""
+        input_ids, attention_mask = self._left_pad(prompts)
         first = params[0]
         if first.do_sample and first.seed is not None:
             torch.manual_seed(first.seed)
@@ -67,12 +75,64 @@ class HFEngine:
         )
         # scores: one (batch, vocab) tensor per step, after repetition penalty/temperature/top-k.
         log_probs = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)
-        new_tokens = out.sequences[:, width:]
+        new_tokens = out.sequences[:, input_ids.shape[1] :]
         chosen = log_probs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        return [
-            self._cut(new_tokens[row].tolist(), chosen[row].tolist(), row_params)
-            for row, row_params in enumerate(params)
-        ]
+        # One topk at the batch's largest k; each row keeps its own k of it.
+        top = _top_k(log_probs, max(p.top_logprobs for p in params))
+        prompt_scores = self._prompt_scores(prompts, params)
+        generations = []
+        for row, row_params in enumerate(params):
+            tokens = new_tokens[row].tolist()
+            length, reason = self._cut(tokens, row_params)
+            top_lists = None
+            if row_params.top_logprobs > 0:
+                values, ids = top[0][row, :length], top[1][row, :length]
+                top_lists = _top_lists(values, ids, row_params.top_logprobs)
+            row_log_probs = chosen[row, :length].tolist()
+            prompt_lists = prompt_scores.get(row, (None, None))
+            generations.append(
+                Generation(tokens[:length], row_log_probs, reason, top_lists, *prompt_lists)
+            )
+        return generations
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, attention_mask) with every row's last token in the last column."""
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor(
+            [[self.pad_token_id] * (width - len(p)) + p for p in prompts], device=self.device
+        )
+        attention_mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device
+        )
+        return input_ids, attention_mask
+
+    def _prompt_scores(self, prompts: list[list[int]], params: list[GenerationParams]) -> dict:
+        """{row: (prompt log-probs, their top alternatives or None)} for the rows that ask for
+        prompt log-probs, from one forward pass over those rows alone."""
+        rows = [row for row, p in enumerate(params) if p.prompt_logprobs]
+        if not rows:
+            return {}
+        input_ids, attention_mask = self._left_pad([prompts[row] for row in rows])
+        # Numbered as generate numbers left-padded rows, so the values are the ones its prefill
+        # saw: real tokens count from 0, padding sits at 0.
+        position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).logits
+        width = input_ids.shape[1]
+        scores = {}
+        for index, row in enumerate(rows):
+            # Position j predicts token j + 1: every real position but the last one.
+            start = width - len(prompts[row])
+            scores[row] = _score_positions(
+                logits[index, start : width - 1],
+                input_ids[index, start + 1 :],
+                params[row].top_logprobs,
+            )
+        return scores
 
     def _generation_config(self, params: GenerationParams, max_new_tokens: int) -> GenerationConfig:
         sampling = (
@@ -97,11 +157,43 @@ class HFEngine:
             **sampling,
         )
 
-    def _cut(self, tokens: list[int], log_probs: list[float], params: GenerationParams):
-        tokens = tokens[: params.max_new_tokens]
+    def _cut(self, tokens: list[int], params: GenerationParams) -> tuple[int, str]:
+        """How many of `tokens` the request keeps, and why it ended there."""
+        length = min(len(tokens), params.max_new_tokens)
         if not params.ignore_eos:
-            for index, token in enumerate(tokens):
+            for index, token in enumerate(tokens[:length]):
                 if token in self.eos_token_ids:
-                    n = index + 1
-                    return Generation(tokens[:n], log_probs[:n], "eos_token")
-        return Generation(tokens, log_probs[: len(tokens)], "length")
+                    return index + 1, "eos_token"
+        return length, "length"
+
+
+def _top_k(log_probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(values, token ids) of the `k` largest along the last dimension, or None for k = 0."""
+    if k <= 0:
+        return None
+    return log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+
+
+def _score_positions(
+    logits: torch.Tensor, targets: torch.Tensor, k: int
+) -> tuple[list[float], list[TopLogprobs] | None]:
+    """Each position's fp32 log-prob of its target token, and its `k` most likely tokens (None
+    for k = 0), taking the log-softmax a slice of positions at a time."""
+    chosen: list[float] = []
+    tops: list[TopLogprobs] | None = [] if k > 0 else None
+    for begin in range(0, len(targets), _PROMPT_ROWS):
+        log_probs = logits[begin : begin + _PROMPT_ROWS].float().log_softmax(dim=-1)
+        wanted = targets[begin : begin + _PROMPT_ROWS].unsqueeze(-1)
+        chosen += log_probs.gather(-1, wanted).squeeze(-1).tolist()
+        if tops is not None:
+            tops += _top_lists(*_top_k(log_probs, k), k)
+    return chosen, tops
+
+
+def _top_lists(values: torch.Tensor, ids: torch.Tensor, k: int) -> list[TopLogprobs]:
+    """[positions, >= k] tensors -> per position the `k` most likely (token id, log-prob), less
+    the -inf ones (tokens top-k/top-p filtered out), so a list may be shorter than k."""
+    return [
+        [(token, value) for token, value in zip(row_ids, row_values) if value != -math.inf]
+        for row_ids, row_values in zip(ids[:, :k].tolist(), values[:, :k].tolist())
+    ]

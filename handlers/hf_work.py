@@ -47,6 +47,10 @@ class HFGenerateWork:
                 result.log_probs,
                 result.finish_reason,
                 len(batch),
+                # None unless the request asked for them.
+                top_logprobs=result.top_logprobs,
+                prompt_log_probs=result.prompt_log_probs,
+                prompt_top_logprobs=result.prompt_top_logprobs,
             )
             send(request.reply_to, final)
         return len(batch)
