@@ -53,10 +53,14 @@ class EngineClient:
         return read_state(self.runtime)
 
     def submit(
-        self, message: protocol.GenerateRequest | protocol.HandleRequest | protocol.StatsRequest
+        self,
+        message: protocol.GenerateRequest | protocol.HandleRequest | protocol.StatsRequest,
+        events: queue.SimpleQueue[protocol.Event] | None = None,
     ) -> queue.SimpleQueue[protocol.Event]:
-        """Sends `message`; the events for its id arrive on the returned queue."""
-        events: queue.SimpleQueue[protocol.Event] = queue.SimpleQueue()
+        """Sends `message`; the events for its id arrive on the returned queue: `events` when
+        given (several requests read as one stream, told apart by their ids), else a new one."""
+        if events is None:
+            events = queue.SimpleQueue()
         with self._lock:
             self._waiters[message.id] = events
         self._send(message)

@@ -4,7 +4,10 @@
 
 Parameters follow OpenAI: `max_tokens` (or `max_completion_tokens`; default 30 as for text
 requests), `temperature` (default 1.0, which samples; 0 is greedy), `top_p`, `seed`, `stop`,
-`stream`. `n` other than 1 and non-zero penalties are refused rather than ignored.
+`stream`, `n` (choices, streamed too), `logprobs` and `top_logprobs` (up to 20 alternatives per
+token, under the distribution the token was drawn from). Non-zero penalties are refused rather
+than ignored. Messages may carry assistant `tool_calls` and `tool` results (`tool_call_id`),
+which reach the chat template as given.
 """
 
 from __future__ import annotations
@@ -15,19 +18,21 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from lmserve.rolling_batch.protocol import GenerationParams
+import msgspec
 
-from .outputs import Completion
-from .request_parsing import BadRequest, _ParameterReader
+from lmserve.rolling_batch.protocol import MAX_TOP_LOGPROBS, GenerationParams
+
+from .outputs import Completion, TokenOutput
+from .request_parsing import MAX_SEQUENCES, BadRequest, _ParameterReader
+from .tokenizer import Tokenizer
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
-_MAX_N = 16  # choices per request: each is a sequence in the batch
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     params: GenerationParams
     stop_sequences: tuple[str, ...]
     stream: bool
@@ -36,6 +41,7 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     n: int = 1  # choices to generate
+    logprobs: bool = False  # each token's log-prob (and params.top_logprobs alternatives)
 
 
 def is_chat(payload: Any) -> bool:
@@ -50,15 +56,21 @@ def parse_chat(payload: dict[str, Any]) -> ChatRequest:
     reader = _ParameterReader(payload, prefix="")
     max_tokens = reader.integer("max_completion_tokens", None, minimum=1)
     sampling = read_openai_sampling(reader, default_max_tokens=max_tokens or 30)
+    logprobs = reader.boolean("logprobs", False)
+    top_logprobs = reader.integer("top_logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and not logprobs:
+        raise BadRequest("top_logprobs", "needs logprobs: true")
+    params = msgspec.structs.replace(sampling.params, top_logprobs=top_logprobs or 0)
     return ChatRequest(
         parsed,
-        sampling.params,
+        params,
         sampling.stop,
         sampling.stream,
         sampling.model,
         _parse_tools(payload.get("tools")),
         sampling.include_usage,
         sampling.n,
+        logprobs,
     )
 
 
@@ -83,8 +95,8 @@ class OpenAISampling:
 
 def read_openai_sampling(reader: _ParameterReader, default_max_tokens: int) -> OpenAISampling:
     """The parameters chat and completions share, with OpenAI's names and defaults
-    (`temperature` 1.0 samples, 0 is greedy; `n` choices, not streamed yet). What lmserve
-    cannot do is refused, not ignored."""
+    (`temperature` 1.0 samples, 0 is greedy; `n` choices). What lmserve cannot do is refused,
+    not ignored."""
     temperature = reader.number("temperature", 1.0, minimum=0.0, maximum=2.0)
     params = GenerationParams(
         max_new_tokens=reader.integer("max_tokens", default_max_tokens, minimum=1),
@@ -93,9 +105,7 @@ def read_openai_sampling(reader: _ParameterReader, default_max_tokens: int) -> O
         top_p=reader.number("top_p", 1.0, minimum=0.0, exclusive_minimum=True, maximum=1.0),
         seed=reader.integer("seed", None, minimum=0),
     )
-    n = reader.integer("n", 1, minimum=1)
-    if n > _MAX_N:
-        raise BadRequest("n", f"at most {_MAX_N}")
+    n = reader.integer("n", 1, minimum=1, maximum=MAX_SEQUENCES)
     for penalty in ("frequency_penalty", "presence_penalty"):
         if reader.number(penalty, 0.0, minimum=-2.0, maximum=2.0) != 0.0:
             raise BadRequest(penalty, "not supported (use 0)")
@@ -103,8 +113,6 @@ def read_openai_sampling(reader: _ParameterReader, default_max_tokens: int) -> O
     if model is not None and not isinstance(model, str):
         raise BadRequest("model", f"expected a string, got {model!r}")
     stream = reader.boolean("stream", False)
-    if stream and n > 1:
-        raise BadRequest("n", "n > 1 is not streamed yet: use stream=false")
     stop = reader.stop_sequences("stop")
     return OpenAISampling(params, stop, stream, model, _include_usage(reader.raw, stream), n)
 
@@ -124,18 +132,53 @@ def _include_usage(payload: dict[str, Any], stream: bool) -> bool:
     return include
 
 
-def _parse_message(index: int, message: Any) -> dict[str, str]:
+def _parse_message(index: int, message: Any) -> dict[str, Any]:
     field = f"messages[{index}]"
     if not isinstance(message, dict) or message.get("role") not in _ROLES:
         raise BadRequest(f"{field}.role", f"expected one of {', '.join(_ROLES)}")
+    role = message["role"]
     content = message.get("content")
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             raise BadRequest(f"{field}.content", "only text content parts are supported")
         content = "".join(str(p.get("text", "")) for p in content)
-    if not isinstance(content, str):
+    tool_calls = message.get("tool_calls")
+    if not isinstance(content, str) and not (content is None and tool_calls):
         raise BadRequest(f"{field}.content", "expected a string or a list of text parts")
-    return {"role": message["role"], "content": content}
+    parsed: dict[str, Any] = {"role": role, "content": content}
+    if tool_calls is not None:
+        if role != "assistant":
+            raise BadRequest(f"{field}.tool_calls", "only an assistant message makes tool calls")
+        if not isinstance(tool_calls, list):
+            raise BadRequest(f"{field}.tool_calls", "expected a list of tool calls")
+        parsed["tool_calls"] = [
+            _parse_tool_call(f"{field}.tool_calls[{i}]", call) for i, call in enumerate(tool_calls)
+        ]
+    for name in ("tool_call_id", "name"):
+        value = message.get(name)
+        if value is not None:
+            if not isinstance(value, str):
+                raise BadRequest(f"{field}.{name}", f"expected a string, got {value!r}")
+            parsed[name] = value
+    return parsed
+
+
+def _parse_tool_call(field: str, call: Any) -> dict[str, Any]:
+    """An assistant's earlier tool call, for the template. Its `arguments` arrive as a JSON
+    string (OpenAI's shape) and go to the template as an object, which chat templates expect
+    (they write it out with `tojson`)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise BadRequest(f"{field}.function", "expected {name, arguments}")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as error:
+            raise BadRequest(f"{field}.function.arguments", f"not JSON: {error}") from None
+    if not isinstance(arguments, dict):
+        raise BadRequest(f"{field}.function.arguments", "expected a JSON object")
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatResponder:
@@ -144,13 +187,16 @@ class ChatResponder:
 
     content_type = "text/event-stream"
 
-    def __init__(self, model_name: str, num_prompt_tokens: int, include_usage: bool = False):
+    def __init__(
+        self, tokenizer: Tokenizer, model_name: str, num_prompt_tokens: int, request: ChatRequest
+    ):
+        self.tokenizer = tokenizer
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model_name
         self.num_prompt_tokens = num_prompt_tokens
-        self.include_usage = include_usage
-        self._sent_role = False
+        self.request = request
+        self._sent_role: set[int] = set()  # the choices whose first chunk went out
 
     def completion(self, completions: list[Completion]) -> dict:
         """A `chat.completion` with one choice per completion (OpenAI's `n`)."""
@@ -158,6 +204,9 @@ class ChatResponder:
             {
                 "index": index,
                 "message": {"role": "assistant", "content": completion.text},
+                "logprobs": self._logprobs(
+                    completion.token_ids, completion.log_probs, completion.top_logprobs
+                ),
                 "finish_reason": FINISH_REASONS.get(completion.finish_reason, "stop"),
             }
             for index, completion in enumerate(completions)
@@ -168,28 +217,54 @@ class ChatResponder:
             "usage": self._usage(*completions),
         }
 
-    def token(self, token_id, text, log_prob, special, completion: Completion | None) -> str:
-        delta: dict[str, str] = {"content": text}
-        if not self._sent_role:
+    def token(self, token: TokenOutput, completion: Completion | None) -> str:
+        """A chunk with the token's text in its choice's delta; the choice's last token adds
+        a chunk with its finish_reason."""
+        delta: dict[str, str] = {"content": token.text}
+        if token.index not in self._sent_role:
             delta["role"] = "assistant"
-            self._sent_role = True
-        lines = [self._chunk(delta, None)]
+            self._sent_role.add(token.index)
+        top = None if token.top_logprobs is None else [token.top_logprobs]
+        logprobs = self._logprobs([token.id], [token.log_prob], top)
+        lines = [self._chunk(token.index, delta, logprobs, None)]
         if completion is not None:
             finish = FINISH_REASONS.get(completion.finish_reason, "stop")
-            lines.append(self._chunk({}, finish))
-            if self.include_usage:  # OpenAI's usage chunk: no choices
-                lines.append({**self._envelope("chat.completion.chunk"), "choices": [],
-                              "usage": self._usage(completion)})  # fmt: skip
-        body = "".join(f"data: {json.dumps(line, ensure_ascii=False)}\n\n" for line in lines)
-        return body + ("data: [DONE]\n\n" if completion is not None else "")
+            lines.append(self._chunk(token.index, {}, None, finish))
+        return _events(lines)
+
+    def done(self, completions: list[Completion]) -> str:
+        """After every choice's last token: the usage chunk (stream_options.include_usage; it
+        has no choices, as OpenAI's), then [DONE]."""
+        lines = []
+        if self.request.include_usage:
+            usage = self._usage(*completions)
+            lines.append({**self._envelope("chat.completion.chunk"), "choices": [], "usage": usage})
+        return _events(lines) + "data: [DONE]\n\n"
 
     def error(self, status: int, message: str) -> str:
-        return f"data: {json.dumps({'code': status, 'error': message})}\n\n"
+        return _events([{"code": status, "error": message}])
 
-    def _chunk(self, delta: dict, finish_reason: str | None) -> dict:
+    def _logprobs(self, token_ids, log_probs, top_logprobs) -> dict | None:
+        """OpenAI's `logprobs.content`: each token with its log-prob and bytes, and its
+        `top_logprobs` alternatives."""
+        if not self.request.logprobs:
+            return None
+        tops = top_logprobs or [[]] * len(token_ids)
+        content = [
+            {**self._entry(token, log_prob), "top_logprobs": [self._entry(*t) for t in top]}
+            for token, log_prob, top in zip(token_ids, log_probs, tops)
+        ]
+        return {"content": content, "refusal": None}
+
+    def _entry(self, token_id: int, log_prob: float) -> dict:
+        text = self.tokenizer.token_text(token_id)
+        return {"token": text, "logprob": log_prob, "bytes": list(text.encode("utf-8"))}
+
+    def _chunk(self, index: int, delta: dict, logprobs, finish_reason: str | None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs}
         return {
             **self._envelope("chat.completion.chunk"),
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+            "choices": [{**choice, "finish_reason": finish_reason}],
         }
 
     def _envelope(self, kind: str) -> dict:
@@ -202,3 +277,7 @@ class ChatResponder:
             "completion_tokens": generated,
             "total_tokens": self.num_prompt_tokens + generated,
         }
+
+
+def _events(bodies: list[dict]) -> str:
+    return "".join(f"data: {json.dumps(body, ensure_ascii=False)}\n\n" for body in bodies)

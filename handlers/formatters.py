@@ -20,7 +20,7 @@ from typing import Any
 
 from .djl_compat import INPUT_FORMATTER_MARK, OUTPUT_FORMATTER_MARK
 from .djl_request_io import TextGenerationOutput, TextInput, Token
-from .outputs import Completion
+from .outputs import Completion, TokenOutput
 from .user_code import EntryPoint, UserCodeError, load
 
 BUILT_IN_OUTPUT_FORMATS = ("json", "jsonlines", "sse")
@@ -82,17 +82,20 @@ class FormattedGeneration:
         text_input = TextInput(request_id, prompt, parameters, tgi_compat=tgi)
         self.output = TextGenerationOutput(request_id, text_input)
 
-    def token(self, token_id, text, log_prob, special, completion: Completion | None) -> str:
+    def token(self, token: TokenOutput, completion: Completion | None) -> str:
         """The formatter's string for this token (`completion` on the last one)."""
         last = completion is not None
         reason = completion.finish_reason if last else None
-        token = Token(token_id, text, log_prob, special)
-        self.output.set_next_token(token, is_last_token=last, finish_reason=reason)
+        shaped = Token(token.id, token.text, token.log_prob, token.special)
+        self.output.set_next_token(shaped, is_last_token=last, finish_reason=reason)
         self.output.finished = last
         piece = self.formatter(self.output)
         if piece is None:
             return ""
         return piece if isinstance(piece, str) else str(piece)
+
+    def done(self, completions: list[Completion]) -> str:
+        return ""  # the formatter saw the last token with finished set
 
     def error(self, status: int, message: str) -> str:
         return json.dumps({"code": status, "error": message}) + "\n"

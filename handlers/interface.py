@@ -79,7 +79,9 @@ class EngineConnection(Protocol):
     """What a handler that generates needs from the engine client (container/engine_client.py):
     submit a message and read its events; stop following a request, or abort it."""
 
-    def submit(self, message: protocol.ToEngine) -> queue.SimpleQueue[protocol.Event]: ...
+    def submit(
+        self, message: protocol.ToEngine, events: queue.SimpleQueue | None = None
+    ) -> queue.SimpleQueue[protocol.Event]: ...
 
     def finish(self, request_id: str, abort: bool) -> None: ...
 

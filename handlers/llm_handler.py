@@ -92,7 +92,13 @@ class LLMHandler:
                 prompt, sampling.params.max_new_tokens, "prompt", "max_tokens"
             )
             stream = self.predictor.stream_prompt(
-                prompt, prompt_ids, sampling.params, sampling.stop, request.request_id, responder
+                prompt,
+                prompt_ids,
+                sampling.params,
+                sampling.stop,
+                request.request_id,
+                responder,
+                sampling.n,
             )
             return HandlerResponse(stream=stream, content_type=responder.content_type)
         answers = self.predictor.complete_prompts(

@@ -3,21 +3,26 @@ in, `text_completion` objects out, whole or as SSE chunks ending in `data: [DONE
 `usage`.
 
 Parameters: `max_tokens` (OpenAI's default 16), `temperature`, `top_p`, `seed`, `stop`,
-`stream`, `echo` (the prompt before the text), `logprobs` (0: each token's log-prob; 1 with
-greedy decoding, where the most likely token is the chosen one; alternatives beyond the chosen
-token are not computed, so anything else is refused), `n` (choices per prompt, not streamed).
+`stream`, `n` (choices per prompt), `echo` (the prompt before the text), `logprobs` (each
+token's log-prob, and that many most likely alternatives, up to 20 as vLLM allows; with `echo`,
+the prompt's tokens too, not streamed).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
+from lmserve.rolling_batch.protocol import MAX_TOP_LOGPROBS
+
 from .chat import FINISH_REASONS, OpenAISampling, read_openai_sampling
-from .outputs import Completion
+from .outputs import Completion, TokenOutput
 from .request_parsing import BadRequest, _ParameterReader
 from .tokenizer import Tokenizer
 
@@ -41,15 +46,19 @@ def parse_completion(payload: dict[str, Any]) -> CompletionRequest:
         raise BadRequest("prompt", "expected a non-empty string or list of non-empty strings")
     reader = _ParameterReader(payload, prefix="")
     sampling = read_openai_sampling(reader, _DEFAULT_MAX_TOKENS)
-    logprobs = reader.integer("logprobs", None, minimum=0)
-    if logprobs is not None and (logprobs > 1 or (logprobs == 1 and sampling.params.do_sample)):
-        raise BadRequest(
-            "logprobs",
-            "0, or 1 with temperature 0: the chosen token's log-prob is what is computed",
-        )
+    logprobs = reader.integer("logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    echo = reader.boolean("echo", False)
     if sampling.stream and batched:
         raise BadRequest("prompt", "streaming takes one prompt, not a list")
-    return CompletionRequest(prompts, batched, sampling, reader.boolean("echo", False), logprobs)
+    if sampling.stream and echo and logprobs is not None:
+        raise BadRequest("logprobs", "the prompt's log-probs (echo) are not streamed")
+    params = msgspec.structs.replace(
+        sampling.params,
+        top_logprobs=logprobs or 0,
+        prompt_logprobs=echo and logprobs is not None,
+    )
+    sampling = dataclasses.replace(sampling, params=params)
+    return CompletionRequest(prompts, batched, sampling, echo, logprobs)
 
 
 class CompletionResponder:
@@ -63,34 +72,38 @@ class CompletionResponder:
         self.created = int(time.time())
         self.model = model
         self.request = request
-        self._offset = 0  # characters of text sent so far (a stream's text_offset)
+        self._offsets: dict[int, int] = {}  # characters sent so far, by choice (text_offset)
 
-    def completion(self, answers: list[tuple[Completion, int]]) -> dict:
-        """`answers`: the `n` Completions of each prompt, prompt by prompt, each with its
-        prompt's number of tokens (counted once per prompt, as OpenAI does)."""
-        choices = [self._choice(index, c) for index, (c, _) in enumerate(answers)]
-        prompt_tokens = sum(tokens for _, tokens in answers[:: self.request.sampling.n])
-        generated = sum(len(c.token_ids) for c, _ in answers)
+    def completion(self, completions: list[Completion]) -> dict:
+        """`completions`: the `n` of each prompt, prompt by prompt (prompt tokens counted once
+        per prompt, as OpenAI does)."""
+        choices = [self._choice(index, c) for index, c in enumerate(completions)]
+        prompt_tokens = sum(len(c.prompt_ids) for c in completions[:: self.request.sampling.n])
+        generated = sum(len(c.token_ids) for c in completions)
         return {**self._envelope(), "choices": choices, "usage": _usage(prompt_tokens, generated)}
 
-    def token(self, token_id, text, log_prob, special, completion: Completion | None) -> str:
-        """One streamed token's chunk; the last one adds finish_reason, then (with
-        stream_options.include_usage) a usage chunk, then [DONE]."""
-        if not self._offset and self.request.echo:
+    def token(self, token: TokenOutput, completion: Completion | None) -> str:
+        """One streamed token's chunk, with finish_reason on its choice's last token."""
+        text = token.text
+        if token.index not in self._offsets and self.request.echo:
             text = self.request.prompts[0] + text
-        choice: dict[str, Any] = {"text": text, "index": 0, "logprobs": None}
+        offset = self._offsets.get(token.index, 0)
+        choice: dict[str, Any] = {"text": text, "index": token.index, "logprobs": None}
         if self.request.logprobs is not None:
-            choice["logprobs"] = self._logprobs([token_id], [log_prob], self._offset)
-        self._offset += len(text)
+            top = None if token.top_logprobs is None else [token.top_logprobs]
+            choice["logprobs"] = self._logprobs([token.id], [token.log_prob], top, offset)
+        self._offsets[token.index] = offset + len(text)
         choice["finish_reason"] = _finish(completion) if completion else None
-        chunk = {**self._envelope(), "choices": [choice]}
-        if completion is None:
-            return _event(chunk)
-        events = _event(chunk)
-        if self.request.sampling.include_usage:  # OpenAI's usage chunk: no choices
-            prompt_tokens = len(self.tokenizer.encode(completion.prompt))
-            usage = _usage(prompt_tokens, len(completion.token_ids))
-            events += _event({**self._envelope(), "choices": [], "usage": usage})
+        return _event({**self._envelope(), "choices": [choice]})
+
+    def done(self, completions: list[Completion]) -> str:
+        """After every choice's last token: the usage chunk (stream_options.include_usage; no
+        choices, as OpenAI's), then [DONE]."""
+        events = ""
+        if self.request.sampling.include_usage:
+            generated = sum(len(c.token_ids) for c in completions)
+            usage = _usage(len(completions[0].prompt_ids), generated)
+            events = _event({**self._envelope(), "choices": [], "usage": usage})
         return events + "data: [DONE]\n\n"
 
     def error(self, status: int, message: str) -> str:
@@ -100,7 +113,16 @@ class CompletionResponder:
         prefix = completion.prompt if self.request.echo else ""
         logprobs = None
         if self.request.logprobs is not None:
-            logprobs = self._logprobs(completion.token_ids, completion.log_probs, len(prefix))
+            token_ids, log_probs = completion.token_ids, completion.log_probs
+            tops = completion.top_logprobs
+            offset = len(prefix)
+            if completion.prompt_log_probs is not None:  # echo: the prompt's tokens first
+                token_ids = completion.prompt_ids + token_ids
+                log_probs = [None, *completion.prompt_log_probs, *log_probs]
+                if tops is not None:
+                    tops = [None, *(completion.prompt_top_logprobs or []), *tops]
+                offset = 0
+            logprobs = self._logprobs(token_ids, log_probs, tops, offset)
         return {
             "text": prefix + completion.text,
             "index": index,
@@ -108,21 +130,33 @@ class CompletionResponder:
             "finish_reason": _finish(completion),
         }
 
-    def _logprobs(self, token_ids: list[int], log_probs: list[float], offset: int) -> dict:
+    def _logprobs(self, token_ids, log_probs, tops, offset: int) -> dict:
+        """OpenAI's legacy logprobs: tokens, their log-probs, the most likely alternatives at
+        each (with the chosen token, so up to logprobs + 1 of them, as OpenAI says), and the
+        character offset of each token in the choice's text."""
         tokens = [self.tokenizer.token_text(t) for t in token_ids]
         offsets = []
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
+        top_logprobs = None
+        if self.request.logprobs:
+            top_logprobs = [
+                None if top is None else self._alternatives(top, token, log_prob)
+                for token, log_prob, top in zip(token_ids, log_probs, tops or [])
+            ]
         return {
             "tokens": tokens,
             "token_logprobs": log_probs,
-            # Greedy: the chosen token is the most likely one (logprobs=1 is refused otherwise).
-            "top_logprobs": [{t: lp} for t, lp in zip(tokens, log_probs)]
-            if self.request.logprobs
-            else None,
+            "top_logprobs": top_logprobs,
             "text_offset": offsets,
         }
+
+    def _alternatives(self, top, chosen: int, chosen_log_prob: float | None) -> dict:
+        alternatives = {self.tokenizer.token_text(t): lp for t, lp in top}
+        if chosen_log_prob is not None:
+            alternatives.setdefault(self.tokenizer.token_text(chosen), chosen_log_prob)
+        return alternatives
 
     def _envelope(self) -> dict:
         return {

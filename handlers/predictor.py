@@ -20,9 +20,8 @@ from .chat import ChatRequest, ChatResponder
 from .chat_template import ChatTemplate
 from .detokenizer import IncrementalDetokenizer
 from .interface import EngineConnection, HandlerResponse
-from .outputs import Completion, complete, shape_response, to_json
+from .outputs import Completion, Generation, TokenOutput, complete, shape_response, to_json
 from .request_parsing import BadRequest, TextRequest
-from .stream_format import StreamFormat
 from .tokenizer import Tokenizer
 from .truncation import keep_last_tokens
 
@@ -38,6 +37,7 @@ class ClientGone(Exception):
 class PredictionError(Exception):
     status: int
     message: str
+    request_id: str | None = None  # the engine request it failed, when one did
 
     def response(self) -> HandlerResponse:
         if self.status == 424:  # DJL's status and body for a failed prediction
@@ -46,18 +46,33 @@ class PredictionError(Exception):
 
 
 @dataclass
-class _Generation:
-    """What the engine produced for one prompt so far."""
+class _StreamedSequence:
+    """One sequence of a streamed request (OpenAI's `n` streams several)."""
 
-    token_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
+    index: int
+    prompt: str
+    prompt_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    generation: Generation = field(default_factory=Generation)
+    completion: Completion | None = None  # once its last token is shaped
 
-    def add(self, event: protocol.TokenEvent | protocol.FinalEvent) -> None:
-        self.token_ids += event.token_ids
-        self.log_probs += event.log_probs
-        if isinstance(event, protocol.FinalEvent):
-            self.finish_reason = event.finish_reason
+    def complete(self) -> Completion:
+        """The text and tokens the detokenizer let through (up to a stop sequence)."""
+        detokenizer, generation = self.detokenizer, self.generation
+        num_tokens = len(detokenizer.token_ids)
+        reason = "stop_sequence" if detokenizer.stopped else generation.finish_reason
+        top = generation.top_logprobs
+        return Completion(
+            self.prompt,
+            detokenizer.text,
+            detokenizer.token_ids,
+            generation.log_probs[:num_tokens],
+            reason,
+            None if top is None else top[:num_tokens],
+            list(self.prompt_ids),
+            generation.prompt_log_probs,
+            generation.prompt_top_logprobs,
+        )
 
 
 class Predictor:
@@ -69,22 +84,50 @@ class Predictor:
         self.chat_template = ChatTemplate(runtime.model_path)
 
     def predict(self, request: TextRequest, request_id: str, client_gone=None) -> dict | list:
+        """The answer to every input; an input asking for several sequences (`n`, `best_of`)
+        gets the most likely one, and the next `n - 1` as `details.best_of_sequences`."""
         prompts = [
             self.prompt_ids(text, request.params.max_new_tokens, truncate=request.truncate)
             for text in request.inputs
         ]
+        each = request.num_sequences
         generations = self._generate_all(
-            prompts, request.params, request_id, client_gone, request.stop_sequences
+            [ids for ids in prompts for _ in range(each)],
+            sequence_params(request.params, each) * len(prompts),
+            request_id,
+            client_gone,
+            request.stop_sequences,
         )
-        outputs = [
-            self._output(text, generation, request)
-            for text, generation in zip(request.inputs, generations)
-        ]
+        outputs = []
+        for index, (text, ids) in enumerate(zip(request.inputs, prompts)):
+            completions = [
+                complete(self.tokenizer, text, generation, request.stop_sequences, ids)
+                for generation in generations[index * each : (index + 1) * each]
+            ]
+            if each > 1:
+                completions.sort(key=lambda c: c.cumulative_log_prob, reverse=True)
+            best, others = completions[0], completions[1 : request.n]
+            outputs.append(
+                to_json(
+                    best,
+                    self.tokenizer,
+                    request.details,
+                    request.return_full_text,
+                    self.runtime.config.tgi_compat,
+                    others,
+                )
+            )
         return shape_response(outputs, request.batched, self.runtime.config.tgi_compat)
 
-    def stream(self, request: TextRequest, request_id: str, fmt: StreamFormat) -> Iterator[str]:
+    def stream(self, request: TextRequest, request_id: str, fmt) -> Iterator[str]:
         if request.batched:
             raise BadRequest("inputs", "streaming takes one input, not a list")
+        # As in LMI: the best of several sequences is known only at the end.
+        if request.num_sequences > 1:
+            name = "best_of" if request.best_of > request.n else "n"
+            raise BadRequest(f"parameters.{name}", "several sequences are not streamed")
+        if request.params.prompt_logprobs:
+            raise BadRequest("parameters.decoder_input_details", "not with streaming")
         prompt_ids = self.prompt_ids(
             request.inputs[0], request.params.max_new_tokens, truncate=request.truncate
         )
@@ -92,66 +135,79 @@ class Predictor:
             request.inputs[0], prompt_ids, request.params, request.stop_sequences, request_id, fmt
         )
 
-    def stream_prompt(self, prompt, prompt_ids, params, stop_sequences, request_id, responder):
-        """Submits one prompt and waits for its first event, so that a refusal (queue full,
-        too long) is still an ordinary error response; then returns the event stream, shaped
-        by `responder` (`.token(...)`, `.error(...)`)."""
-        engine_id = f"{request_id}/0"
-        events = self.client.submit(protocol.GenerateRequest(engine_id, prompt_ids, params))
+    def stream_prompt(
+        self, prompt, prompt_ids, params, stop_sequences, request_id, responder, n: int = 1
+    ):
+        """Submits `n` sequences of one prompt and waits for the first event, so that a
+        refusal (queue full, too long) is still an ordinary error response; then returns the
+        event stream, shaped by `responder` (`.token(...)`, `.done(...)`, `.error(...)`)."""
+        engine_ids = [f"{request_id}/{index}" for index in range(n)]
+        events: queue.SimpleQueue = queue.SimpleQueue()  # every sequence's, in arrival order
+        for engine_id, sequence in zip(engine_ids, sequence_params(params, n)):
+            self.client.submit(protocol.GenerateRequest(engine_id, prompt_ids, sequence), events)
         submitted = time.monotonic()
         try:
             first = self._next_event(events, submitted)
         except PredictionError:
-            self.client.finish(engine_id, abort=True)
+            for engine_id in engine_ids:
+                self.client.finish(engine_id, abort=True)
             raise
-        detokenizer = IncrementalDetokenizer(self.tokenizer, stop_sequences)
-        return self._stream_events(
-            prompt, engine_id, events, first, submitted, detokenizer, responder
-        )
+        sequences = {
+            engine_id: _StreamedSequence(
+                index, prompt, prompt_ids, IncrementalDetokenizer(self.tokenizer, stop_sequences)
+            )
+            for index, engine_id in enumerate(engine_ids)
+        }
+        return self._stream_events(sequences, events, first, submitted, responder)
 
-    def _stream_events(self, prompt, engine_id, events, event, since, detokenizer, responder):
-        generation = _Generation()
-        done = False
+    def _stream_events(self, sequences, events, event, since, responder):
+        running = set(sequences)
         try:
             while True:
-                generation.add(event)
-                done = generation.finish_reason is not None
-                tokens = list(zip(event.token_ids, event.log_probs))
-                for index, (token, log_prob) in enumerate(tokens):
-                    final = done and index == len(tokens) - 1
-                    piece, last = self._shape_token(
-                        prompt, generation, token, log_prob, final, detokenizer, responder
-                    )
-                    yield piece
-                    if last:
-                        done = True
-                        return
+                if event.id in running:  # not one ended here by its stop sequence
+                    sequence = sequences[event.id]
+                    yield from self._shape_event(sequence, event, responder)
+                    if sequence.completion is not None:
+                        running.discard(event.id)
+                        self.client.finish(event.id, abort=sequence.detokenizer.stopped)
+                if not running:
+                    break
                 event = self._next_event(events, since)
+            trailer = responder.done([sequence.completion for sequence in sequences.values()])
+            if trailer:
+                yield trailer
         except PredictionError as error:
-            done = True  # the engine already dropped it
+            # The engine dropped the failed sequence; any other is dropped with it.
+            if error.request_id in running:
+                running.discard(error.request_id)
+                self.client.finish(error.request_id, abort=False)
             yield responder.error(error.status, error.message)
         finally:
-            # A client that went away (or a stop sequence) ends the request in the engine too.
-            self.client.finish(engine_id, abort=not done or detokenizer.stopped)
+            # A client that went away ends the request in the engine too.
+            for engine_id in running:
+                self.client.finish(engine_id, abort=True)
 
-    def _shape_token(self, prompt, generation, token, log_prob, final, detokenizer, responder):
-        """(`responder`'s piece for this token, whether it is the last one: the generation's
-        final token, or the one that completed a stop sequence)."""
-        text = detokenizer.add(token)
-        last = detokenizer.stopped or final
-        completion = None
-        if last:
-            text += detokenizer.finish()
-            reason = "stop_sequence" if detokenizer.stopped else generation.finish_reason
-            completion = Completion(
-                prompt,
-                detokenizer.text,
-                detokenizer.token_ids,
-                generation.log_probs[: len(detokenizer.token_ids)],
-                reason,
-            )
-        special = token in self.tokenizer.special_ids
-        return responder.token(token, text, log_prob, special, completion), last
+    def _shape_event(self, sequence, event, responder) -> Iterator[str]:
+        """`responder`'s pieces for an event's tokens; the sequence's last one (the
+        generation's final token, or the one that completed a stop sequence) sets its
+        completion."""
+        generation = sequence.generation
+        generation.add(event)
+        done = generation.finish_reason is not None
+        tops = event.top_logprobs or [None] * len(event.token_ids)
+        tokens = list(zip(event.token_ids, event.log_probs, tops))
+        for index, (token, log_prob, top) in enumerate(tokens):
+            detokenizer = sequence.detokenizer
+            text = detokenizer.add(token)
+            last = detokenizer.stopped or (done and index == len(tokens) - 1)
+            if last:
+                text += detokenizer.finish()
+                sequence.completion = sequence.complete()
+            special = token in self.tokenizer.special_ids
+            shaped = TokenOutput(token, text, log_prob, special, top, sequence.index)
+            yield responder.token(shaped, sequence.completion)
+            if last:
+                return
 
     def predict_shaped(self, request: TextRequest, request_id: str, responder, client_gone=None):
         """One input's whole answer as `responder` shapes it token by token (a model.py's
@@ -165,18 +221,14 @@ class Predictor:
         (generation,) = self._generate_all(
             [prompt_ids], request.params, request_id, client_gone, request.stop_sequences
         )
+        # The whole generation replayed as one final event through the streaming path.
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.stop_sequences)
-        tokens = list(zip(generation.token_ids, generation.log_probs))
-        pieces = []
-        for index, (token, log_prob) in enumerate(tokens):
-            final = index == len(tokens) - 1
-            piece, last = self._shape_token(
-                prompt, generation, token, log_prob, final, detokenizer, responder
-            )
-            pieces.append(piece)
-            if last:
-                break
-        return "".join(pieces)
+        sequence = _StreamedSequence(0, prompt, prompt_ids, detokenizer)
+        replay = protocol.FinalEvent(
+            "", generation.token_ids, generation.log_probs, generation.finish_reason, 1,
+            generation.top_logprobs, generation.prompt_log_probs, generation.prompt_top_logprobs,
+        )  # fmt: skip
+        return "".join(self._shape_event(sequence, replay, responder))
 
     def chat(self, chat: ChatRequest, request_id: str, client_gone=None):
         """A `chat.completion`, or (streaming) the iterator of its chunks."""
@@ -189,10 +241,10 @@ class Predictor:
             add_special_tokens=False,
         )
         model = chat.model or self.runtime.model_name
-        responder = ChatResponder(model, len(prompt_ids), chat.include_usage)
+        responder = ChatResponder(self.tokenizer, model, len(prompt_ids), chat)
         if chat.stream:
             return self.stream_prompt(
-                prompt, prompt_ids, chat.params, chat.stop_sequences, request_id, responder
+                prompt, prompt_ids, chat.params, chat.stop_sequences, request_id, responder, chat.n
             )
         generations = self._generate_all(
             [prompt_ids] * chat.n,
@@ -202,23 +254,16 @@ class Predictor:
             chat.stop_sequences,
         )
         completions = [
-            complete(
-                self.tokenizer,
-                prompt,
-                generation.token_ids,
-                generation.log_probs,
-                generation.finish_reason,
-                chat.stop_sequences,
-            )
+            complete(self.tokenizer, prompt, generation, chat.stop_sequences, prompt_ids)
             for generation in generations
         ]
         return responder.completion(completions)
 
     def complete_prompts(
         self, texts, params, stop_sequences, request_id: str, client_gone=None, n: int = 1
-    ) -> list[tuple[Completion, int]]:
+    ) -> list[Completion]:
         """OpenAI completions: `n` Completions (stop sequences applied) of each prompt, prompt
-        by prompt, each with its prompt's number of tokens."""
+        by prompt."""
         each_prompt = [
             self.prompt_ids(text, params.max_new_tokens, "prompt", "max_tokens") for text in texts
         ]
@@ -232,23 +277,13 @@ class Predictor:
             stop_sequences,
         )
         return [
-            (
-                complete(
-                    self.tokenizer,
-                    text,
-                    generation.token_ids,
-                    generation.log_probs,
-                    generation.finish_reason,
-                    stop_sequences,
-                ),
-                len(ids),
-            )
+            complete(self.tokenizer, text, generation, stop_sequences, ids)
             for text, generation, ids in zip(texts, generations, prompt_ids)
         ]
 
     def _generate_all(
         self, prompts, params, request_id: str, client_gone, stop_sequences=()
-    ) -> list[_Generation]:
+    ) -> list[Generation]:
         """Every prompt's whole generation (not streamed to the client). `client_gone()` says
         whether the HTTP client hung up meanwhile: then the engine drops the requests at once.
         With stop sequences the engine streams the tokens here, and a prompt whose text reaches
@@ -265,7 +300,7 @@ class Predictor:
         try:
             generations = []
             for engine_id, events in zip(engine_ids, queues):
-                generation = _Generation()
+                generation = Generation()
                 watcher = IncrementalDetokenizer(self.tokenizer, stop_sequences)
                 while generation.finish_reason is None:
                     event = self._next_event(events, submitted, client_gone)
@@ -283,20 +318,6 @@ class Predictor:
             for engine_id in engine_ids:
                 if engine_id not in finished:
                     self.client.finish(engine_id, abort=True)
-
-    def _output(self, text: str, generation: _Generation, request: TextRequest) -> dict:
-        completion = complete(
-            self.tokenizer,
-            text,
-            generation.token_ids,
-            generation.log_probs,
-            generation.finish_reason,
-            request.stop_sequences,
-        )
-        config = self.runtime.config
-        return to_json(
-            completion, self.tokenizer, request.details, request.return_full_text, config.tgi_compat
-        )
 
     def prompt_ids(
         self,
@@ -377,5 +398,5 @@ def next_event(
                 ) from None
             continue
         if isinstance(event, protocol.ErrorEvent):
-            raise PredictionError(event.status, event.message)
+            raise PredictionError(event.status, event.message, event.id)
         return event

@@ -4,6 +4,12 @@ nothing invalid reaches the engine.
 Unknown parameters are dropped with a warning (DJL's behaviour: clients send vendor-specific
 knobs); wrong types and impossible values of known ones are refused. TGI's spellings are read
 too: `stop` beside `stop_sequences`, and `truncate`.
+
+Several sequences per input (`n`, `best_of`, as LMI reads them): `best_of` sequences (default
+`n`) are sampled and the `n` most likely by cumulative log-prob are kept; the answer is the
+most likely, its details list the others as `best_of_sequences`. Log-probs on request:
+`top_n_tokens` alternatives of each generated token and `decoder_input_details` (the prompt's
+tokens with their log-probs) come in `details`, which they turn on.
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lmserve.rolling_batch.protocol import GenerationParams
+from lmserve.rolling_batch.protocol import MAX_TOP_LOGPROBS, GenerationParams
 
 # The formats a request may name in `parameters.output_formatter` (a model.py's function is
 # chosen by the server's configuration, never by a client).
 OUTPUT_FORMATS = ("json", "jsonlines", "sse")
+# Sequences one input may ask for (`n`, `best_of`; OpenAI's `n`): each is a place in the batch.
+MAX_SEQUENCES = 16
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +52,12 @@ class TextRequest:
     truncate: int | None = None
     # `parameters.output_formatter`: this request's answer format, over option.output_formatter.
     output_formatter: str | None = None
+    n: int = 1  # sequences answered per input
+    best_of: int = 1  # sequences generated per input, the n most likely kept
+
+    @property
+    def num_sequences(self) -> int:
+        return self.best_of
 
 
 def parse_body(body: bytes, content_type: str | None) -> TextRequest:
@@ -111,22 +125,44 @@ def _parse_parameters(raw: dict[str, Any], tgi_compat: bool) -> dict[str, Any]:
         ),
         seed=reader.integer("seed", None, minimum=0),
         ignore_eos=reader.boolean("ignore_eos_token", False),
+        top_logprobs=reader.integer("top_n_tokens", 0, minimum=0, maximum=MAX_TOP_LOGPROBS),
+        prompt_logprobs=reader.boolean("decoder_input_details", False),
     )
+    n, best_of = _sequences(reader, do_sample)
     stop_sequences = reader.stop_sequences() + reader.stop_sequences("stop")  # TGI's name
     parsed = {
         "params": params,
         "stop_sequences": tuple(dict.fromkeys(stop_sequences)),  # each once, in order
-        "details": reader.boolean("details", tgi_compat),
+        # Asked-for log-probs and other sequences are answered in `details`.
+        "details": reader.boolean("details", tgi_compat)
+        or best_of > 1
+        or params.top_logprobs > 0
+        or params.prompt_logprobs,
         "return_full_text": reader.boolean("return_full_text", False),
         "stream": reader.boolean("stream", False),
         "truncate": reader.integer("truncate", None, minimum=1),
         "output_formatter": reader.choice("output_formatter", OUTPUT_FORMATS),
+        "n": n,
+        "best_of": best_of,
     }
-    reader.refuse_unsupported("decoder_input_details", False)
-    reader.refuse_unsupported("top_n_tokens", 0)
     for name in sorted(set(raw) - reader.known):
         log.warning("ignoring unknown parameter %r", name)
     return parsed
+
+
+def _sequences(reader: _ParameterReader, do_sample: bool) -> tuple[int, int]:
+    """(`n`, `best_of`): best_of defaults to n and may not be below it."""
+    n = reader.integer("n", 1, minimum=1, maximum=MAX_SEQUENCES)
+    best_of = reader.integer("best_of", n, minimum=1, maximum=MAX_SEQUENCES)
+    if best_of < n:
+        raise BadRequest(f"{reader.prefix}best_of", f"must be >= n ({n}), got {best_of}")
+    if best_of > 1 and not do_sample:
+        name = "best_of" if best_of > n else "n"
+        raise BadRequest(
+            f"{reader.prefix}{name}",
+            "several sequences need sampling (do_sample: true): greedy decoding repeats one",
+        )
+    return n, best_of
 
 
 class _ParameterReader:
@@ -147,7 +183,9 @@ class _ParameterReader:
             raise BadRequest(f"{self.prefix}{name}", f"expected true or false, got {value!r}")
         return value
 
-    def integer(self, name: str, default: int | None, minimum: int) -> int | None:
+    def integer(
+        self, name: str, default: int | None, minimum: int, maximum: int | None = None
+    ) -> int | None:
         value = self._get(name)
         if value is None:
             return default
@@ -157,6 +195,8 @@ class _ParameterReader:
             raise BadRequest(f"{self.prefix}{name}", f"expected an integer, got {value!r}")
         if value < minimum:
             raise BadRequest(f"{self.prefix}{name}", f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise BadRequest(f"{self.prefix}{name}", f"must be <= {maximum}, got {value}")
         return value
 
     def number(
@@ -197,11 +237,6 @@ class _ParameterReader:
                 f"{self.prefix}{name}", f"expected one of {', '.join(allowed)}, got {value!r}"
             )
         return value
-
-    def refuse_unsupported(self, name: str, default: Any) -> None:
-        value = self._get(name)
-        if value is not None and value != default:
-            raise BadRequest(f"{self.prefix}{name}", f"not supported yet (only {default!r})")
 
 
 def _decode(body: bytes) -> str:

@@ -8,13 +8,14 @@ text (and details), an error after the first byte as a final `{"code", "error"}`
 
 The last event's `details` has `finish_reason`, `generated_tokens` and `inputs` but no
 `tokens`, as DJL's jsonlines/sse formatter writes it: every token was already its own event.
+With `top_n_tokens` each event carries its token's `top_tokens`, as TGI streams them.
 """
 
 from __future__ import annotations
 
 import json
 
-from .outputs import Completion, to_json
+from .outputs import Completion, TokenOutput, TokenShape, to_json
 from .tokenizer import Tokenizer
 
 
@@ -34,23 +35,30 @@ class StreamFormat:
         self._details = details
         self._return_full_text = return_full_text
 
-    def token(self, token_id, text, log_prob, special, completion: Completion | None) -> str:
+    def token(self, token: TokenOutput, completion: Completion | None) -> str:
         """One token's event; the last one (with `completion`) adds generated_text/details."""
         if self.tgi_compat:
-            token = {"id": token_id, "text": text, "logprob": log_prob, "special": special}
-            event = {"token": token, "generated_text": None, "details": None}
+            shaped = {"id": token.id, "text": token.text, "logprob": token.log_prob}
+            event = {"token": {**shaped, "special": token.special}}
+            event.update(generated_text=None, details=None)
         else:
-            event = {"token": {"id": token_id, "text": text, "log_prob": log_prob}}
+            event = {"token": {"id": token.id, "text": token.text, "log_prob": token.log_prob}}
+        if token.top_logprobs is not None:
+            shape = TokenShape(self._tokenizer, self.tgi_compat)
+            event["top_tokens"] = shape.alternatives(token.top_logprobs)
         if completion is not None:
             event.update(self._last(completion))
         return self.line(event)
+
+    def done(self, completions: list[Completion]) -> str:
+        return ""  # the last token's event ended the stream
 
     def _last(self, completion: Completion) -> dict:
         last = to_json(
             completion, self._tokenizer, self._details, self._return_full_text, self.tgi_compat
         )
-        if "details" in last:
-            del last["details"]["tokens"]
+        for key in ("tokens", "top_tokens"):  # each was in its token's event
+            last.get("details", {}).pop(key, None)
         return last
 
     def error(self, status: int, message: str) -> str:

@@ -146,3 +146,52 @@ def test_rendering_does_not_import_torch(smollm2_dir):
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, check=True)
+
+
+# In the manner of Qwen2.5's and Llama 3.1's templates: an assistant's tool calls written out
+# with their arguments as JSON, a tool's answer under its call id.
+TOOL_CALL_TEMPLATE = """{% for message in messages %}<|{{ message.role }}|>
+{%- if message.tool_calls %}{% for call in message.tool_calls %}<call id={{ call.id }}>
+{{- {"name": call.function.name, "arguments": call.function.arguments} | tojson }}</call>
+{%- endfor %}{% elif message.role == 'tool' %}<result id={{ message.tool_call_id }}>
+{{- message.content }}</result>{% else %}{{ message.content }}{% endif %}{{ eos_token }}
+{%- endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"""
+
+
+def test_tool_calls_and_tool_results_render_as_hf(tmp_path, smollm2_dir):
+    """An OpenAI conversation with a tool call (arguments as a JSON string, OpenAI's shape)
+    renders as HF renders it with the arguments as an object, which templates expect."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}  # fmt: skip
+    openai_messages = [
+        CONVERSATION[3],
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 °C"},
+    ]
+    chat = parse_chat({"messages": openai_messages, "tools": TOOLS})
+    folder = model_folder(tmp_path / "m", smollm2_dir, TOOL_CALL_TEMPLATE, SPECIAL_TOKENS)
+    hf_messages = json.loads(json.dumps(openai_messages))
+    hf_messages[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Zürich"}
+    ours = ChatTemplate(folder).render(chat.messages, chat.tools)
+    assert ours == hf_render(folder, hf_messages, TOOLS)
+    assert '"arguments": {"city": "Zürich"}' in ours and "<result id=call_1>12 °C" in ours
+
+
+@pytest.mark.parametrize(
+    ("message", "field"),
+    [
+        ({"role": "user", "content": "x", "tool_calls": []}, "messages[0].tool_calls"),
+        ({"role": "assistant", "tool_calls": {"id": 1}}, "messages[0].tool_calls"),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]},
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        ({"role": "assistant", "tool_calls": [{"id": "x"}]}, "messages[0].tool_calls[0].function"),
+        ({"role": "tool", "content": "1", "tool_call_id": 5}, "messages[0].tool_call_id"),
+        ({"role": "assistant", "content": None}, "messages[0].content"),
+    ],
+)
+def test_malformed_tool_messages_name_their_field(message, field):
+    with pytest.raises(BadRequest) as error:
+        parse_chat({"messages": [message]})
+    assert error.value.field == field

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import msgspec
 import pytest
 
 from lmserve.handlers.interface import HandlerRequest, HandlerResponse, Route
@@ -42,9 +43,11 @@ class FakeEngine:
     def last_heard(self) -> float:
         return self._heard
 
-    def submit(self, message: protocol.GenerateRequest) -> queue.SimpleQueue[protocol.Event]:
+    def submit(
+        self, message: protocol.GenerateRequest, events: queue.SimpleQueue | None = None
+    ) -> queue.SimpleQueue[protocol.Event]:
         self.messages.append(message)
-        events: queue.SimpleQueue[protocol.Event] = queue.SimpleQueue()
+        events = queue.SimpleQueue() if events is None else events
         request_id = message.id
         if self.behaviour == "silent":
             return events
@@ -57,17 +60,34 @@ class FakeEngine:
         limit = message.params.max_new_tokens
         tokens = (self.reply_ids + [self.eos_id])[:limit]
         reason = "eos_token" if tokens[-1] == self.eos_id else "length"
-        log_probs = [-0.5] * len(tokens)
+        params = message.params
+        # A seeded sequence's log-probs depend on its seed: best_of has something to rank.
+        log_prob = -0.5 if params.seed is None else -0.1 * (1 + params.seed % 7)
+        log_probs = [log_prob] * len(tokens)
+        # Asked-for alternatives: the chosen token first, then the two ids after it.
+        tops = [
+            [(t, log_prob), (t + 1, -2.0), (t + 2, -3.0)][: params.top_logprobs] for t in tokens
+        ]
+        prompt = {}
+        if params.prompt_logprobs:
+            prompt["prompt_log_probs"] = [-1.0 - i for i in range(len(message.prompt_ids) - 1)]
         if self.behaviour == "fail_midway":
             events.put(self._token(request_id, tokens[0]))
             events.put(protocol.ErrorEvent(request_id, 500, "rank 1 died"))
             return events
         if message.stream:
-            for token in tokens[:-1]:
-                events.put(self._token(request_id, token))
-            events.put(protocol.FinalEvent(request_id, tokens[-1:], log_probs[-1:], reason, 1))
+            for index, token in enumerate(tokens[:-1]):
+                top = [tops[index]] if params.top_logprobs else None
+                first = prompt if index == 0 else {}
+                events.put(protocol.TokenEvent(request_id, [token], [log_prob], top, **first))
+            top = tops[-1:] if params.top_logprobs else None
+            first = prompt if len(tokens) == 1 else {}
+            final = protocol.FinalEvent(request_id, tokens[-1:], log_probs[-1:], reason, 1, top)
+            events.put(msgspec.structs.replace(final, **first))
         else:
-            events.put(protocol.FinalEvent(request_id, tokens, log_probs, reason, 1))
+            top = tops if params.top_logprobs else None
+            final = protocol.FinalEvent(request_id, tokens, log_probs, reason, 1, top, **prompt)
+            events.put(final)
         return events
 
     def _answer_slowly(self, message, events) -> None:
@@ -390,9 +410,15 @@ def test_completion_with_echo_logprobs_and_usage(smollm2_dir, tokenizer):
     assert answer.status == 200, answer.json
     (choice,) = answer.json["choices"]
     assert choice["text"] == "Capital?" + REPLY and choice["finish_reason"] == "stop"
+    # echo with logprobs: the prompt's tokens come first, the first without a log-prob.
     logprobs = choice["logprobs"]
-    assert "".join(logprobs["tokens"]).startswith(REPLY)
-    assert logprobs["text_offset"][0] == len("Capital?") and logprobs["top_logprobs"] is None
+    prompt_ids = engine.messages[0].prompt_ids
+    assert engine.messages[0].params.prompt_logprobs
+    assert "".join(logprobs["tokens"]).startswith("Capital?" + REPLY)
+    assert logprobs["token_logprobs"][: len(prompt_ids)] == [None, -1.0, -2.0][: len(prompt_ids)]
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and offsets[len(prompt_ids)] == len("Capital?")
+    assert logprobs["top_logprobs"] is None
     usage = answer.json["usage"]
     assert usage["prompt_tokens"] == len(engine.messages[0].prompt_ids)
     assert usage["completion_tokens"] == len(engine.reply_ids) + 1  # the EOS counts
@@ -430,9 +456,9 @@ def test_a_stream_without_include_usage_has_no_usage(smollm2_dir, tokenizer):
     [
         ({"prompt": ""}, "prompt"),
         ({"prompt": ["a", 3]}, "prompt"),
-        ({"prompt": "a", "n": 2, "stream": True}, "n"),
         ({"prompt": "a", "n": 17}, "n"),
-        ({"prompt": "a", "logprobs": 1}, "logprobs"),  # sampled: alternatives not computed
+        ({"prompt": "a", "logprobs": 21}, "logprobs"),
+        ({"prompt": "a", "logprobs": 1, "echo": True, "stream": True}, "logprobs"),
         ({"prompt": ["a", "b"], "stream": True}, "prompt"),
         ({"prompt": "a", "max_tokens": 500}, "max_tokens"),
         ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
@@ -599,3 +625,101 @@ def test_chat_n_choices(smollm2_dir, tokenizer):
     assert answer.json["usage"]["completion_tokens"] == 10
     assert answer.json["usage"]["prompt_tokens"] == len(engine.messages[0].prompt_ids)
     assert len(engine.messages) == 2
+
+
+# --- several sequences and log-probs -----------------------------------------------------------
+
+
+def test_best_of_answers_the_most_likely_and_lists_the_next_n_minus_one(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    parameters = {"do_sample": True, "seed": 3, "n": 2, "best_of": 3, "max_new_tokens": 4}
+    answer = call(handler, {"inputs": "Hi", "parameters": parameters})
+    assert answer.status == 200, answer.json
+    # Three sequences seeded 3, 4, 5; the fake scores them -0.4, -0.5, -0.6 a token.
+    assert [m.params.seed for m in engine.messages] == [3, 4, 5]
+    details = answer.json["details"]  # on without asking: the other sequences live there
+    assert [t["log_prob"] for t in details["tokens"]] == pytest.approx([-0.4] * 4)
+    (other,) = details["best_of_sequences"]
+    assert [t["log_prob"] for t in other["tokens"]] == pytest.approx([-0.5] * 4)
+    text = tokenizer.decode(engine.reply_ids[:4])
+    assert other["generated_text"] == answer.json["generated_text"] == text
+    engine.assert_each_finished_once()
+
+
+def test_top_n_tokens_and_decoder_input_details_in_details(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer, OPTION_TGI_COMPAT="true")
+    parameters = {"top_n_tokens": 2, "decoder_input_details": True, "max_new_tokens": 3}
+    (answer,) = call(handler, {"inputs": "Capital of France?", "parameters": parameters}).json
+    params = engine.messages[0].params
+    assert params.top_logprobs == 2 and params.prompt_logprobs
+    details = answer["details"]
+    ids = [t["id"] for t in details["tokens"]]
+    assert [[t["id"] for t in top] for top in details["top_tokens"]] == [[i, i + 1] for i in ids]
+    prompt_ids = engine.messages[0].prompt_ids
+    assert [t["id"] for t in details["prefill"]] == prompt_ids
+    assert details["prefill"][0]["logprob"] is None and details["prefill"][1]["logprob"] == -1.0
+
+
+@pytest.mark.parametrize(
+    ("parameters", "field"),
+    [
+        ({"n": 2, "do_sample": True}, "parameters.n"),
+        ({"best_of": 2, "do_sample": True}, "parameters.best_of"),
+        ({"decoder_input_details": True}, "parameters.decoder_input_details"),
+    ],
+)
+def test_what_lmi_does_not_stream_is_refused_when_streaming(
+    smollm2_dir, tokenizer, parameters, field
+):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    answer = call(handler, {"inputs": "Hi", "parameters": parameters, "stream": True})
+    assert answer.status == 400 and answer.json["field"] == field
+    assert not engine.messages
+
+
+def test_chat_logprobs_with_top_alternatives(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    payload = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+               "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    answer = call(handler, payload, Route.CHAT_COMPLETIONS)
+    assert engine.messages[0].params.top_logprobs == 2
+    content = answer.json["choices"][0]["logprobs"]["content"]
+    ids = engine.reply_ids[:3]
+    assert [entry["token"] for entry in content] == [tokenizer.token_text(i) for i in ids]
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    assert [[alt["token"] for alt in e["top_logprobs"]] for e in content] == [
+        [tokenizer.token_text(i), tokenizer.token_text(i + 1)] for i in ids
+    ]
+    assert content[0]["top_logprobs"][1]["logprob"] == -2.0
+
+
+def test_chat_streams_n_choices_each_with_its_logprobs(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    payload = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2,
+               "stream": True, "logprobs": True,
+               "stream_options": {"include_usage": True}}  # fmt: skip
+    answer = call(handler, payload, Route.CHAT_COMPLETIONS)
+    events = [line.removeprefix("data: ") for line in stream_lines(answer) if line]
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    *chunks, usage = [json.loads(event) for event in events[:-1]]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert [c["delta"].get("role") for c in mine].count("assistant") == 1
+        assert "".join(c["delta"].get("content", "") for c in mine) == tokenizer.decode(
+            engine.reply_ids[:4]
+        )
+        assert [c["finish_reason"] for c in mine][-1] == "length"
+        assert sum(len(c["logprobs"]["content"]) for c in mine if c["logprobs"]) == 4
+    engine.assert_each_finished_once()
+
+
+def test_completion_logprobs_list_the_alternatives_and_the_chosen_token(smollm2_dir, tokenizer):
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    payload = {"prompt": "Capital?", "max_tokens": 3, "logprobs": 1, "temperature": 0.7}
+    answer = call(handler, payload, Route.COMPLETIONS)
+    assert engine.messages[0].params.top_logprobs == 1
+    logprobs = answer.json["choices"][0]["logprobs"]
+    chosen = [tokenizer.token_text(i) for i in engine.reply_ids[:3]]
+    assert logprobs["tokens"] == chosen and logprobs["token_logprobs"] == [-0.5] * 3
+    assert logprobs["top_logprobs"] == [{token: -0.5} for token in chosen]

@@ -70,9 +70,9 @@ def test_integral_floats_are_integers_but_fractions_are_not():
 
 
 def test_unknown_parameters_are_ignored_with_a_warning(caplog):
-    request = parse({"inputs": "x", "parameters": {"best_of": 2}})
+    request = parse({"inputs": "x", "parameters": {"beam_width": 2}})
     assert request.params == GenerationParams()
-    assert "best_of" in caplog.text
+    assert "beam_width" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -82,10 +82,16 @@ def test_unknown_parameters_are_ignored_with_a_warning(caplog):
         ({"inputs": "x", "parameters": {"temperature": float("inf")}}, "parameters.temperature"),
         ({"inputs": "x", "parameters": {"top_p": True}}, "parameters.top_p"),
         (
-            {"inputs": "x", "parameters": {"decoder_input_details": True}},
+            {"inputs": "x", "parameters": {"decoder_input_details": 1}},
             "parameters.decoder_input_details",
         ),
-        ({"inputs": "x", "parameters": {"top_n_tokens": 3}}, "parameters.top_n_tokens"),
+        ({"inputs": "x", "parameters": {"top_n_tokens": 21}}, "parameters.top_n_tokens"),
+        ({"inputs": "x", "parameters": {"n": 2}}, "parameters.n"),  # greedy: one sequence
+        ({"inputs": "x", "parameters": {"n": 17, "do_sample": True}}, "parameters.n"),
+        (
+            {"inputs": "x", "parameters": {"n": 3, "best_of": 2, "do_sample": True}},
+            "parameters.best_of",
+        ),
         ({"inputs": "x", "parameters": {"stop_sequences": [""]}}, "parameters.stop_sequences"),
         ({"inputs": "x", "stream": 1}, "stream"),
         ({"inputs": None}, "inputs"),

@@ -252,7 +252,9 @@ def test_openai_completion_equals_the_greedy_invocation(server, openai_client):
     assert "".join(chunk.choices[0].text for chunk in streamed) == expected
 
 
-def test_openai_completion_lists_echo_and_logprobs(server, openai_client):
+def test_openai_completion_lists_echo_and_logprobs(server, openai_client, smollm2_dir):
+    from transformers import AutoTokenizer
+
     answer = openai_client.completions.create(
         model="m", prompt=[PROMPT, "The capital of France is"], max_tokens=5, temperature=0,
         echo=True, logprobs=1,
@@ -260,16 +262,23 @@ def test_openai_completion_lists_echo_and_logprobs(server, openai_client):
     assert [choice.index for choice in answer.choices] == [0, 1]
     first = answer.choices[0]
     assert first.text.startswith(PROMPT)
-    assert len(first.logprobs.tokens) == len(first.logprobs.token_logprobs) == 5
-    assert all(lp <= 0 for lp in first.logprobs.token_logprobs)
-    assert first.logprobs.text_offset[0] == len(PROMPT)
+    # echo: the prompt's tokens first (the first without a log-prob), then the 5 generated.
+    num_prompt = len(AutoTokenizer.from_pretrained(smollm2_dir)(PROMPT)["input_ids"])
+    logprobs = first.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == num_prompt + 5
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert "".join(logprobs.tokens) == first.text and logprobs.text_offset[0] == 0
+    # The most likely token is greedy's choice: each generated token tops its alternatives.
+    for token, top in zip(logprobs.tokens[num_prompt:], logprobs.top_logprobs[num_prompt:]):
+        assert max(top, key=top.get) == token
     assert answer.usage.completion_tokens == 10
 
 
 def test_openai_errors_reach_the_sdk_as_openai_errors(openai_client):
     openai = pytest.importorskip("openai")
     with pytest.raises(openai.BadRequestError) as refused:
-        openai_client.completions.create(model="m", prompt=PROMPT, logprobs=3)
+        openai_client.completions.create(model="m", prompt=PROMPT, logprobs=21)
     assert refused.value.param == "logprobs" and refused.value.status_code == 400
     with pytest.raises(openai.BadRequestError) as too_long:
         openai_client.completions.create(model="m", prompt=PROMPT, max_tokens=100000)
@@ -288,3 +297,104 @@ def test_openai_chat_through_the_sdk(server, openai_client):
     )
     pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
     assert "".join(pieces) == answer.choices[0].message.content
+
+
+# --- log-probs and several sequences from the real engine --------------------------------------
+
+LOG_PROB_TOLERANCE = 5e-3  # fp32 both sides; logits of ~20 agree to ~1e-4 relative
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def hf_log_probs(model, token_ids: list[int]):
+    """HF's log-softmax after each position of `token_ids`."""
+    import torch
+
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
+
+
+def assert_top_alternatives(top: dict[int, float], row) -> None:
+    """`top` holds HF's log-probs of its tokens, and they are HF's most likely ones (up to
+    ties within the tolerance)."""
+    for token, log_prob in top.items():
+        assert log_prob == pytest.approx(float(row[token]), abs=LOG_PROB_TOLERANCE)
+    kth_best = float(row.topk(len(top)).values[-1])
+    assert min(top.values()) >= kth_best - LOG_PROB_TOLERANCE
+
+
+def test_openai_chat_logprobs_equal_hf(server, openai_client, hf):
+    model, tokenizer = hf
+    answer = openai_client.chat.completions.create(
+        model="m", messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = answer.choices[0].logprobs.content
+    prompt_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True)
+    generated = tokenizer(answer.choices[0].message.content, add_special_tokens=False)
+    ids = prompt_ids["input_ids"] + generated["input_ids"][: len(content)]
+    rows = hf_log_probs(model, ids)[len(prompt_ids["input_ids"]) - 1 :]
+    assert len(content) == 8 and "".join(e.token for e in content).startswith(
+        answer.choices[0].message.content[:5]
+    )
+    for entry, row in zip(content, rows):
+        by_id = {tokenizer.convert_tokens_to_ids(tokenizer.tokenize(alt.token))[0]: alt.logprob
+                 for alt in entry.top_logprobs}  # fmt: skip
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob == pytest.approx(float(row.max()), abs=LOG_PROB_TOLERANCE)
+        assert_top_alternatives(by_id, row)
+
+
+def test_decoder_input_details_and_top_n_tokens_equal_hf(server, hf):
+    model, tokenizer = hf
+    parameters = {"max_new_tokens": 4, "decoder_input_details": True, "top_n_tokens": 2}
+    details = generate(server, parameters).json()["details"]
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    generated = [token["id"] for token in details["tokens"]]
+    rows = hf_log_probs(model, prompt_ids + generated)
+    prefill = details["prefill"]
+    assert [token["id"] for token in prefill] == prompt_ids and prefill[0]["log_prob"] is None
+    for position, token in enumerate(prefill[1:]):
+        expected = float(rows[position, prompt_ids[position + 1]])
+        assert token["log_prob"] == pytest.approx(expected, abs=LOG_PROB_TOLERANCE)
+    for step, top in enumerate(details["top_tokens"]):
+        row = rows[len(prompt_ids) - 1 + step]
+        assert top[0]["id"] == generated[step]  # greedy: the chosen one is the most likely
+        assert_top_alternatives({t["id"]: t["log_prob"] for t in top}, row)
+
+
+def test_best_of_answers_the_most_likely_of_the_seeded_sequences(server):
+    """best_of=3, n=2 with seed 11 samples sequences seeded 11, 12, 13; each alone gives the
+    same text (seeded sampling does not depend on the batch), so the answer is the one whose
+    tokens' log-probs sum highest, and the runner-up is its only other sequence."""
+    sampling = {"do_sample": True, "temperature": 1.2, "max_new_tokens": 12, "details": True}
+    alone = []
+    for seed in (11, 12, 13):
+        output = generate(server, {**sampling, "seed": seed}).json()
+        score = sum(token["log_prob"] for token in output["details"]["tokens"])
+        alone.append((score, output["generated_text"]))
+    ranked = [text for _, text in sorted(alone, reverse=True)]
+    answer = generate(server, {**sampling, "seed": 11, "best_of": 3, "n": 2}).json()
+    assert answer["generated_text"] == ranked[0]
+    assert [s["generated_text"] for s in answer["details"]["best_of_sequences"]] == ranked[1:2]
+
+
+def test_openai_streams_n_choices_as_it_answers_them_whole(openai_client):
+    whole = openai_client.chat.completions.create(
+        model="m", messages=CHAT, max_tokens=10, n=2, seed=5
+    )
+    stream = openai_client.chat.completions.create(
+        model="m", messages=CHAT, max_tokens=10, n=2, seed=5, stream=True
+    )
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert texts[0] != texts[1]  # seeds 5 and 6
