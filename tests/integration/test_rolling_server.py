@@ -1,9 +1,11 @@
 """engine=MPI end to end: `lmserve serve` with two real MPI ranks (tensor parallel) serving
 SmolLM2 with rolling batching. 24 concurrent greedy requests of different prompt lengths and
 max_new_tokens each equal HF's greedy output; the same with paged attention off and with a
-block pool small enough to force preemption. Two of the three start from the LMI guides' starter
-configs (engine=Python with option.rolling_batch=scheduler or vllm), which lmserve serves with
-the same rolling batch over MPI ranks."""
+block pool small enough to force preemption. Every third request also asks for its prompt's
+log-probs and the top tokens, which equal HF's across the ranks' sharded LM head. Two of the
+three start from the LMI guides' starter configs (engine=Python with
+option.rolling_batch=scheduler or vllm), which lmserve serves with the same rolling batch over
+MPI ranks."""
 
 from __future__ import annotations
 
@@ -44,9 +46,17 @@ def workload(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     cases = []
     for prompt, max_new in make_requests():
-        expected, logits = hf_greedy_alone(model, tokenizer(prompt)["input_ids"], max_new)
-        cases.append((prompt, max_new, expected, logits))
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        expected, logits = hf_greedy_alone(model, prompt_ids, max_new)
+        with torch.inference_mode():
+            prompt_rows = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0], dim=-1)
+        prompt_log_probs = prompt_rows[:-1].gather(1, torch.tensor(prompt_ids[1:])[:, None])
+        cases.append((prompt, max_new, expected, logits, prompt_log_probs[:, 0].tolist()))
     return cases
+
+
+def asks_for_log_probs(index: int) -> bool:
+    return index % 3 == 0
 
 
 def serve(tmp_path, **extra) -> Server:
@@ -56,13 +66,16 @@ def serve(tmp_path, **extra) -> Server:
 
 
 def fire(server: Server, workload) -> list[requests.Response]:
-    def ask(case):
-        prompt, max_new, _, _ = case
-        body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new, "details": True}}
+    def ask(index):
+        prompt, max_new, *_ = workload[index]
+        parameters = {"max_new_tokens": max_new, "details": True}
+        if asks_for_log_probs(index):
+            parameters.update(decoder_input_details=True, top_n_tokens=2)
+        body = {"inputs": prompt, "parameters": parameters}
         return requests.post(f"{server.url}/invocations", json=body, timeout=600)
 
     with ThreadPoolExecutor(len(workload)) as pool:
-        return list(pool.map(ask, workload))
+        return list(pool.map(ask, range(len(workload))))
 
 
 def engine_stats(server: Server) -> dict:
@@ -71,11 +84,20 @@ def engine_stats(server: Server) -> dict:
 
 
 def check_answers(responses, workload):
-    for response, (_, max_new, expected, logits) in zip(responses, workload):
+    for index, (response, case) in enumerate(zip(responses, workload)):
+        _, max_new, expected, logits, prompt_log_probs = case
         assert response.status_code == 200, response.text
-        served = [token["id"] for token in response.json()["details"]["tokens"]]
+        details = response.json()["details"]
+        served = [token["id"] for token in details["tokens"]]
         assert len(served) <= max_new
         assert_same_or_near_tie(served, expected, logits)
+        if asks_for_log_probs(index):
+            prefill = [token["log_prob"] for token in details["prefill"]]
+            assert prefill[0] is None
+            assert prefill[1:] == pytest.approx(prompt_log_probs, abs=5e-3)
+            assert [top[0]["id"] for top in details["top_tokens"]] == served
+        else:
+            assert "prefill" not in details and "top_tokens" not in details
 
 
 @pytest.mark.parametrize(
