@@ -85,3 +85,24 @@ def test_readme_request_returns_text(server):
     assert response.status_code == 200
     assert "Paris" in response.json()["generated_text"]
     assert response.headers["x-request-id"]
+
+
+def test_prompt_log_probs_and_top_tokens_equal_hf(server, hf):
+    """decoder_input_details and top_n_tokens through engine=Python's HF generate."""
+    model, tokenizer = hf
+    prompt = PROMPTS[0]
+    parameters = {"max_new_tokens": 4, "decoder_input_details": True, "top_n_tokens": 3}
+    body = {"inputs": prompt, "parameters": parameters}
+    details = requests.post(f"{server.url}/invocations", json=body, timeout=120).json()["details"]
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    served = [token["id"] for token in details["tokens"]]
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids + served])).logits[0]
+    rows = torch.log_softmax(logits.float(), dim=-1)
+    prefill = [token["log_prob"] for token in details["prefill"]]
+    expected = rows[: len(prompt_ids) - 1].gather(1, torch.tensor(prompt_ids[1:])[:, None])
+    assert prefill[0] is None and prefill[1:] == pytest.approx(expected[:, 0].tolist(), abs=5e-3)
+    for step, top in enumerate(details["top_tokens"]):
+        values, ids = rows[len(prompt_ids) - 1 + step].topk(3)
+        assert [t["id"] for t in top][0] == served[step] == int(ids[0])
+        assert [t["log_prob"] for t in top] == pytest.approx(values.tolist(), abs=5e-3)
