@@ -1,7 +1,9 @@
 """The request and output objects DJL Serving hands a model.py's formatters, with the names and
 behaviour of DJL's `djl_python.request_io` that formatters use: a `TextGenerationOutput` whose
-best `Sequence` collects `Token`s as they are generated, read with `get_next_token()`, and the
-request's `TextInput` (`input_text`, `parameters`)."""
+best `Sequence` collects `Token`s as they are generated (and their `top_tokens` under
+`top_n_tokens`), read with `get_next_token()`, the prompt's tokens with their log-probs
+(`prompt_tokens_details`, under `decoder_input_details`), and the request's `TextInput`
+(`input_text`, `parameters`)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class Token:
 @dataclass
 class Sequence:
     tokens: list[Token] = field(default_factory=list)
+    top_tokens: list[list[Token]] = field(default_factory=list)
     finish_reason: str | None = None
     cumulative_log_prob: float = 0.0
     _last_token_index: int | None = None
@@ -75,6 +78,7 @@ class TextGenerationOutput:
     finished: bool = False
     sequences: dict[int, Sequence] = field(default_factory=lambda: {0: Sequence()})
     best_sequence_index: int = 0
+    prompt_tokens_details: list[Token] = field(default_factory=list)
 
     def set_next_token(
         self,
@@ -88,6 +92,17 @@ class TextGenerationOutput:
         if finish_reason:
             sequence.finish_reason = finish_reason
 
+    def set_next_top_tokens(self, top_tokens: list[Token], sequence_index: int = 0) -> None:
+        self.sequences.setdefault(sequence_index, Sequence()).top_tokens.append(top_tokens)
+
     def get_tokens_as_dict(self, sequence_index: int = 0) -> list[dict[str, Any]]:
-        tokens = self.sequences[sequence_index].tokens
+        return self._as_dicts(self.sequences[sequence_index].tokens)
+
+    def get_top_tokens_as_dict(self, sequence_index: int = 0) -> list[list[dict[str, Any]]]:
+        return [self._as_dicts(top) for top in self.sequences[sequence_index].top_tokens]
+
+    def get_prompt_tokens_as_dict(self) -> list[dict[str, Any]]:
+        return self._as_dicts(self.prompt_tokens_details)
+
+    def _as_dicts(self, tokens: list[Token]) -> list[dict[str, Any]]:
         return [t.as_tgi_dict() if self.input.tgi_compat else t.as_dict() for t in tokens]

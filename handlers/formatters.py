@@ -21,6 +21,7 @@ from typing import Any
 from .djl_compat import INPUT_FORMATTER_MARK, OUTPUT_FORMATTER_MARK
 from .djl_request_io import TextGenerationOutput, TextInput, Token
 from .outputs import Completion, TokenOutput
+from .tokenizer import Tokenizer
 from .user_code import EntryPoint, UserCodeError, load
 
 BUILT_IN_OUTPUT_FORMATS = ("json", "jsonlines", "sse")
@@ -73,12 +74,14 @@ def _named(spec: str, module: ModuleType | None, folder: Path | None) -> Callabl
 
 class FormattedGeneration:
     """One request's output as the output formatter sees it, fed token by token; the
-    predictor's responder for it (`token`, `error`)."""
+    predictor's responder for it (`token`, `done`, `error`)."""
 
     content_type = "application/jsonlines"  # DJL's for a custom formatter's stream
 
-    def __init__(self, formatter, prompt: str, parameters: dict, request_id: str, tgi: bool):
+    def __init__(self, formatter, prompt: str, parameters: dict, request_id: str, tgi: bool,
+                 tokenizer: Tokenizer):  # fmt: skip
         self.formatter = formatter
+        self.tokenizer = tokenizer
         text_input = TextInput(request_id, prompt, parameters, tgi_compat=tgi)
         self.output = TextGenerationOutput(request_id, text_input)
 
@@ -87,6 +90,14 @@ class FormattedGeneration:
         last = completion is not None
         reason = completion.finish_reason if last else None
         shaped = Token(token.id, token.text, token.log_prob, token.special)
+        if token.top_logprobs is not None:
+            self.output.set_next_top_tokens([self._token(*top) for top in token.top_logprobs])
+        if last and completion.prompt_log_probs is not None:
+            log_probs = [None, *completion.prompt_log_probs]  # nothing predicts the first
+            self.output.prompt_tokens_details = [
+                self._token(token_id, log_prob)
+                for token_id, log_prob in zip(completion.prompt_ids, log_probs)
+            ]
         self.output.set_next_token(shaped, is_last_token=last, finish_reason=reason)
         self.output.finished = last
         piece = self.formatter(self.output)
@@ -99,3 +110,7 @@ class FormattedGeneration:
 
     def error(self, status: int, message: str) -> str:
         return json.dumps({"code": status, "error": message}) + "\n"
+
+    def _token(self, token_id: int, log_prob: float | None) -> Token:
+        special = token_id in self.tokenizer.special_ids
+        return Token(token_id, self.tokenizer.token_text(token_id), log_prob, special)

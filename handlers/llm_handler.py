@@ -133,9 +133,13 @@ class LLMHandler:
         """A text request answered through the model.py's output formatter."""
         formatter = self.formatters.output
         request_id = request.request_id
-        parameters = msgspec.structs.asdict(parsed.params)
         shaped = FormattedGeneration(
-            formatter, parsed.inputs[0], parameters, request_id, self.config.tgi_compat
+            formatter,
+            parsed.inputs[0],
+            _djl_parameters(parsed),
+            request_id,
+            self.config.tgi_compat,
+            self.predictor.tokenizer,
         )
         if parsed.stream:
             stream = self.predictor.stream(parsed, request_id, shaped)
@@ -156,6 +160,22 @@ class LLMHandler:
         if not parsed.stream:
             return None
         return "sse" if self.config.tgi_compat or _SSE in accept else "jsonlines"
+
+
+def _djl_parameters(parsed: TextRequest) -> dict:
+    """The request's parameters under the names DJL's formatters read."""
+    params = parsed.params
+    return {
+        **msgspec.structs.asdict(params),
+        "stop_sequences": list(parsed.stop_sequences),
+        "details": parsed.details,
+        "return_full_text": parsed.return_full_text,
+        "ignore_eos_token": params.ignore_eos,
+        "top_n_tokens": params.top_logprobs,
+        "decoder_input_details": params.prompt_logprobs,
+        "n": parsed.n,
+        "best_of": parsed.best_of,
+    }
 
 
 def _content_type_of(body: str) -> str:

@@ -723,3 +723,41 @@ def test_completion_logprobs_list_the_alternatives_and_the_chosen_token(smollm2_
     chosen = [tokenizer.token_text(i) for i in engine.reply_ids[:3]]
     assert logprobs["tokens"] == chosen and logprobs["token_logprobs"] == [-0.5] * 3
     assert logprobs["top_logprobs"] == [{token: -0.5} for token in chosen]
+
+
+DETAILS_FORMATTER = """
+import json
+
+from djl_python.output_formatter import output_formatter
+
+
+@output_formatter
+def with_log_probs(output):
+    if not output.finished:
+        return ""
+    parameters = output.input.parameters
+    return json.dumps({
+        "top": output.get_top_tokens_as_dict(output.best_sequence_index),
+        "prefill": output.get_prompt_tokens_as_dict(),
+        "asked": [parameters["top_n_tokens"], parameters["decoder_input_details"]],
+    })
+"""
+
+
+def test_an_output_formatter_reads_top_tokens_and_the_prompts_log_probs(
+    smollm2_dir, tokenizer, tmp_path
+):
+    path = tmp_path / "model.py"
+    path.write_text(DETAILS_FORMATTER)
+    try:
+        handler, engine = make_handler(smollm2_dir, tokenizer, formatters=path)
+        parameters = {"max_new_tokens": 3, "top_n_tokens": 2, "decoder_input_details": True}
+        answer = call(handler, {"inputs": "Capital of France?", "parameters": parameters})
+        shaped = json.loads(answer.body)
+    finally:
+        sys.modules.pop("model", None)
+    assert shaped["asked"] == [2, True]
+    ids = engine.reply_ids[:3]
+    assert [[t["id"] for t in top] for top in shaped["top"]] == [[i, i + 1] for i in ids]
+    assert [t["id"] for t in shaped["prefill"]] == engine.messages[0].prompt_ids
+    assert shaped["prefill"][0]["log_prob"] is None and shaped["prefill"][1]["log_prob"] == -1.0
