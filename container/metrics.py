@@ -33,7 +33,8 @@ def render(stats: dict | None, model_name: str) -> str:
         "num_waiting": "requests waiting for the running batch",
         "num_running": "requests in the running batch",
         "kv_blocks_used": "KV cache blocks in use",
-        "kv_blocks_free": "KV cache blocks free",
+        "kv_blocks_free": "KV cache blocks free (cached ones among them, until reused)",
+        "prefix_cached_blocks": "full KV blocks in the prefix cache (held or free)",
         "num_queued": "requests waiting for a dynamic batch",
         "stats_age_seconds": "seconds since the engine reported these numbers (0: this scrape)",
     }
@@ -43,6 +44,8 @@ def render(stats: dict | None, model_name: str) -> str:
     counters = {
         "tokens_generated": "tokens generated",
         "num_preemptions": "requests preempted for KV blocks",
+        "prefix_cache_query_tokens": "tokens of joining requests looked up in the prefix cache",
+        "prefix_cache_hit_tokens": "of those, tokens found cached (not computed again)",
         "num_steps": "rolling-batch steps run",
         "step_sequences": "sequences in rolling-batch steps (over num_steps: the mean batch)",
     }

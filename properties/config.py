@@ -72,7 +72,7 @@ class ServingConfig:
     model_loading_timeout: int  # s
     restart_engine_on_failure: bool
     gpu_memory_utilization: float
-    enable_prefix_caching: bool
+    enable_prefix_caching: bool  # resolved: the default follows paged_attention
     enable_chunked_prefill: bool
     quantize: None
     # Unknown option.* keys (prefix stripped), kept for custom handlers.
@@ -146,6 +146,7 @@ def load_config(
             values.setdefault(setting.field, setting.default)
             sources[setting.key] = "default"
     _resolve_max_devices(values, max_tensor_parallel or num_devices)
+    problems += _resolve_prefix_caching(values)
     engine_line = choose_engine(values, sources, user_handler)
     problems += _cross_field_problems(values, num_devices)
     if user_handler and values["rolling_batch"] != DYNAMIC_BATCHING:
@@ -214,6 +215,22 @@ def _key_for_env_name(name: str, known_by_normalized: dict[str, str]) -> str | N
 def _resolve_max_devices(values: dict[str, Any], max_degree: int | None) -> None:
     if values["tensor_parallel_degree"] == "max":
         values["tensor_parallel_degree"] = max_degree or 1
+
+
+def _resolve_prefix_caching(values: dict[str, Any]) -> list[str]:
+    """Prefix caching shares full KV blocks: on by default where blocks are small (paged
+    attention); the contiguous layout's one block per request has nothing to share."""
+    paged = values["paged_attention"]
+    if values["enable_prefix_caching"] is None:
+        values["enable_prefix_caching"] = paged
+    elif values["enable_prefix_caching"] and not paged:
+        return [
+            "option.enable_prefix_caching=true with option.paged_attention=false: the"
+            " contiguous layout holds one max_model_len block per request, so no block is"
+            " ever full to share; expected option.paged_attention=true, or"
+            " option.enable_prefix_caching=false"
+        ]
+    return []
 
 
 def _cross_field_problems(values: dict[str, Any], num_devices: int | None) -> list[str]:

@@ -261,14 +261,11 @@ SETTINGS: tuple[Setting, ...] = (
     # container; true: the supervisor restarts the engine in place (a few times).
     Setting("option.restart_engine_on_failure", "restart_engine_on_failure", boolean, False),
     Setting("option.gpu_memory_utilization", "gpu_memory_utilization", real(0.0, 1.0), 0.9),
-    # The defaults say what lmserve does (vLLM's defaults are true and true): the other value
-    # is refused rather than parsed and ignored.
-    Setting(
-        "option.enable_prefix_caching",
-        "enable_prefix_caching",
-        only_boolean(False, "prefix caching is not supported yet"),
-        False,
-    ),
+    # Default (None): on with paged attention, as vLLM's default; the contiguous layout has
+    # nothing to share (config.py refuses true with it).
+    Setting("option.enable_prefix_caching", "enable_prefix_caching", boolean, None),
+    # The default says what lmserve does (vLLM's default is true too): the other value is
+    # refused rather than parsed and ignored.
     Setting(
         "option.enable_chunked_prefill",
         "enable_chunked_prefill",

@@ -1,23 +1,43 @@
-"""KV-cache blocks: who owns which. Torch-free.
+"""KV-cache blocks: who holds which, and which full blocks are cached for reuse. Torch-free.
 
 Paged: blocks of `block_size` tokens handed out as a request grows. Not paged: block_size is
 max_model_len, so a request's first block is its whole contiguous slot.
+
+Prefix caching (paged only): a block whose `block_size` tokens are all computed is registered
+under a hash chain of the tokens up to its end (its own tokens and its parent's hash), so a
+later request whose tokens start the same way takes the block instead of computing it again.
+Blocks are reference-counted: several requests may hold one cached block. A block nobody
+holds is free; a free block that is cached keeps its contents and its place in the table until
+the pool needs it: blocks never cached are handed out first, then cached ones, least recently
+used first (and they leave the table then).
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 from .request import Request
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives block 0 first
+        self._ref_counts = [0] * num_blocks
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free and cached, LRU first
+        self._block_of_hash: dict[int, int] = {}
+        self._hash_of_block: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a request can be given: never cached, or cached and held by nobody."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of_hash)
 
     def blocks_to_hold(self, request: Request, num_tokens: int) -> int:
         """Extra blocks `request` needs for its cache to hold `num_tokens` tokens."""
@@ -29,20 +49,92 @@ class BlockManager:
 
     def grow(self, request: Request, num_tokens: int) -> None:
         for _ in range(self.blocks_to_hold(request, num_tokens)):
-            request.block_ids.append(self._free.pop())
+            block = self._take_free_block()
+            self._ref_counts[block] = 1
+            request.block_ids.append(block)
 
     def free(self, request: Request) -> None:
-        self._free.extend(reversed(request.block_ids))
+        """Lets go of the request's blocks; cached ones stay cached, most recently used."""
+        for block in reversed(request.block_ids):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                if block in self._hash_of_block:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
         request.block_ids = []
 
+    def reuse_cached_prefix(self, request: Request) -> None:
+        """For a request holding no blocks: takes the cached blocks of its longest cached
+        block-aligned prefix and counts those tokens computed. The last token is always left
+        to compute (its logits are what the step is for)."""
+        assert not request.block_ids and request.num_computed_tokens == 0
+        if not self.enable_prefix_caching or request.params.prompt_logprobs:
+            return  # the prompt's log-probs come from computing every position
+        num_full = (request.num_tokens - 1) // self.block_size
+        for block_hash in self._block_hashes(request, num_full):
+            block = self._block_of_hash.get(block_hash)
+            if block is None:
+                break
+            if self._ref_counts[block] == 0:
+                del self._evictable[block]
+            self._ref_counts[block] += 1
+            request.block_ids.append(block)
+        request.num_computed_tokens = len(request.block_ids) * self.block_size
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Registers the request's blocks whose tokens are all computed now. A block whose
+        contents another block already holds stays unregistered (it is freed as any other)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if num_full == 0 or request.block_ids[num_full - 1] in self._hash_of_block:
+            return  # nothing new: blocks fill in order, so the last full one tells
+        hashes = self._block_hashes(request, num_full)
+        for block, block_hash in zip(request.block_ids[:num_full], hashes):
+            if block not in self._hash_of_block and block_hash not in self._block_of_hash:
+                self._block_of_hash[block_hash] = block
+                self._hash_of_block[block] = block_hash
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """The hash chain of the request's first `num_blocks` full blocks, extended on the
+        request as needed (a full block's tokens never change)."""
+        hashes = request.block_hashes
+        tokens = request.all_token_ids if len(hashes) < num_blocks else None
+        size = self.block_size
+        while len(hashes) < num_blocks:
+            index = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(tokens[index * size : (index + 1) * size]))))
+        return hashes[:num_blocks]
+
+    def _take_free_block(self) -> int:
+        if self._free:
+            return self._free.pop()
+        block, _ = self._evictable.popitem(last=False)  # the least recently used
+        del self._block_of_hash[self._hash_of_block.pop(block)]
+        return block
+
     def check_invariants(self, requests: list[Request]) -> None:
-        """No block owned twice or both owned and free; owned + free = all; every owner's
-        blocks cover its cached tokens."""
-        owned = [block for request in requests for block in request.block_ids]
-        assert len(owned) == len(set(owned)), "a block is owned twice"
-        assert not set(owned) & set(self._free), "a block is both owned and free"
-        assert len(self._free) == len(set(self._free)), "a block is free twice"
-        assert len(owned) + len(self._free) == self.num_blocks, "blocks leaked"
+        """Every block is held (its count = its holders) or free, never both; only cached
+        blocks are shared; the table maps hashes and blocks one to one, and only full
+        blocks; owned + free = all; every holder's blocks cover its computed tokens."""
+        holders = [0] * self.num_blocks
+        for request in requests:
+            assert len(request.block_ids) == len(set(request.block_ids)), "a block held twice"
+            for block in request.block_ids:
+                holders[block] += 1
+        assert holders == self._ref_counts, "a block's count is not its number of holders"
+        free = self._free + list(self._evictable)
+        assert len(free) == len(set(free)), "a block is free twice"
+        assert all(holders[block] == 0 for block in free), "a block is both held and free"
+        held = sum(1 for count in holders if count > 0)
+        assert held + len(free) == self.num_blocks, "blocks leaked"
+        shared = [block for block, count in enumerate(holders) if count > 1]
+        assert all(block in self._hash_of_block for block in shared), "an uncached block shared"
+        assert all(block in self._hash_of_block for block in self._evictable)
+        assert not set(self._free) & set(self._hash_of_block), "a cached block lost its entry"
+        assert {b: h for h, b in self._block_of_hash.items()} == self._hash_of_block
         for request in requests:
             capacity = len(request.block_ids) * self.block_size
             assert request.num_computed_tokens <= capacity, f"{request.request_id} overflows"

@@ -60,6 +60,7 @@ class RollingEngine:
         self.slot_timeout_s = slot_timeout_s
         self.stats = EngineStats()
         self._unstreamed: set[Request] = set()  # answered with one final event
+        self._prefix_seen = (0, 0)  # prefix-cache (query, hit) tokens at the last log line
         blocks = scheduler.blocks
         self.capacity_tokens = min(blocks.num_blocks * blocks.block_size, scheduler.max_model_len)
 
@@ -138,7 +139,18 @@ class RollingEngine:
         self.stats.steps.record(timer, batch_size)
         summary = self.stats.steps.take_summary(_PROFILE_LOG_S)
         if summary is not None:
-            log.info("%s", summary)
+            log.info("%s%s", summary, self._prefix_cache_summary())
+
+    def _prefix_cache_summary(self) -> str:
+        """The prefix cache's hit rate since the last log line."""
+        scheduler = self.scheduler
+        if not scheduler.blocks.enable_prefix_caching:
+            return ""
+        counts = (scheduler.num_prefix_query_tokens, scheduler.num_prefix_hit_tokens)
+        queried, hit = (now - before for now, before in zip(counts, self._prefix_seen))
+        self._prefix_seen = counts
+        rate = 100 * hit / queried if queried else 0.0
+        return f"; prefix cache: {hit} of {queried} prompt tokens cached ({rate:.0f}%)"
 
     def _events_by_worker(self, produced, batch_size: int) -> dict[bytes, list[protocol.Event]]:
         events: dict[bytes, list[protocol.Event]] = {}
@@ -251,6 +263,9 @@ class RollingEngine:
             "kv_blocks_free": blocks.num_free,
             "kv_blocks_used": blocks.num_blocks - blocks.num_free,
             "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_query_tokens": self.scheduler.num_prefix_query_tokens,
+            "prefix_cache_hit_tokens": self.scheduler.num_prefix_hit_tokens,
+            "prefix_cached_blocks": blocks.num_cached,
         }
 
     def _send(self, identity: bytes, event: protocol.FromEngine) -> None:

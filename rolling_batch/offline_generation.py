@@ -12,7 +12,7 @@ from .block_manager import BlockManager
 from .protocol import GenerationParams
 from .request import Request
 from .scheduler import Scheduler
-from .step import SequenceChunk
+from .step import Sample, SequenceChunk
 
 
 def generate_greedy(
@@ -45,6 +45,6 @@ def generate_greedy(
     while scheduler.has_work():
         out = scheduler.schedule()
         tokens = torch.argmax(execute(out.chunks), dim=-1).tolist()
-        sampled = {request: (token, 0.0) for request, token in zip(out.sampling, tokens)}
+        sampled = {request: Sample(token, 0.0) for request, token in zip(out.sampling, tokens)}
         scheduler.update(out, sampled, eos_token_ids)
     return [request.output_ids for request in requests]

@@ -27,6 +27,7 @@ class Request:
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of its full blocks, prefix caching
     status: str = WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0

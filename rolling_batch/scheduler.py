@@ -4,7 +4,9 @@ Every step: running requests first, in arrival order (decodes cost one token eac
 still being prefilled takes what the prefill budget allows), then waiting requests join while
 the batch has room and the budget lasts. Prompts longer than the budget are prefilled in chunks
 across steps while decodes keep running. KV blocks are taken on demand; when none are left the
-newest running request is preempted (blocks freed, its tokens kept and recomputed later).
+newest running request is preempted (blocks freed, its tokens kept and recomputed later). With
+prefix caching a joining request starts from the cached blocks of its longest cached prefix,
+and full blocks are registered for reuse as steps compute them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Prefix caching, in tokens of the requests that joined: looked up, found cached.
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -84,12 +89,16 @@ class Scheduler:
             self._add_chunk(out, request, num_new)
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             request = self.waiting[0]
+            self.blocks.reuse_cached_prefix(request)
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0 or not self.blocks.can_hold(
                 request, request.num_computed_tokens + num_new
             ):
+                self._release(request)
                 break  # first come, first served: no overtaking a request that does not fit
             self.waiting.popleft()
+            self.num_prefix_query_tokens += request.num_tokens
+            self.num_prefix_hit_tokens += request.num_computed_tokens
             request.status = RUNNING
             self.running.append(request)
             self.blocks.grow(request, request.num_computed_tokens + num_new)
@@ -113,13 +122,17 @@ class Scheduler:
         self.blocks.grow(request, target)
         return True
 
+    def _release(self, request: Request) -> None:
+        """Back to holding nothing, nothing computed (what a waiting request is)."""
+        self.blocks.free(request)
+        request.num_computed_tokens = 0
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         if request in out.requests:  # already scheduled this step: unschedule
             index = out.requests.index(request)
             del out.requests[index], out.chunks[index]
-        self.blocks.free(request)
-        request.num_computed_tokens = 0
+        self._release(request)
         request.status = WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -147,6 +160,7 @@ class Scheduler:
         Sample) for every sampled token."""
         for request, chunk in zip(out.requests, out.chunks):
             request.num_computed_tokens += len(chunk.token_ids)
+            self.blocks.cache_full_blocks(request)
         produced = []
         for request in out.sampling:
             if request not in sampled:  # failed while sampling: already finished

@@ -45,7 +45,7 @@ def main() -> None:
         follow(runner, comm)
         return
     scheduler = Scheduler(
-        BlockManager(runner.num_blocks, runner.block_size),
+        BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching),
         max_running=config.max_rolling_batch_size,
         max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
         max_model_len=max_model_len,

@@ -41,7 +41,7 @@ def problems_of(model_dir: Path, text: str = "", environ=None, num_devices=None)
 
 # The contract's table, with LMI's default since 0.26 (option.rolling_batch=auto for every
 # engine, so no engine configured means the rolling batch over MPI ranks) and the values that
-# say what lmserve does where it does less than vLLM (enable_prefix_caching).
+# say what lmserve does (prefix caching on with paged attention, as vLLM's).
 CONTRACT_DEFAULTS = {
     "engine": "MPI",
     "batch_size": 1,
@@ -74,7 +74,7 @@ CONTRACT_DEFAULTS = {
     "predict_timeout": 120,
     "model_loading_timeout": 240,
     "gpu_memory_utilization": 0.9,
-    "enable_prefix_caching": False,
+    "enable_prefix_caching": True,
     "enable_chunked_prefill": True,
     "quantize": None,
     "extra_options": {},
@@ -169,6 +169,8 @@ def test_plain_server_keys_from_the_file(tmp_path):
         ("option.gpu_memory_utilization=0.5", "gpu_memory_utilization", 0.5),
         ("option.gpu_memory_utilization=1", "gpu_memory_utilization", 1.0),
         ("option.enable_prefix_caching=false", "enable_prefix_caching", False),
+        ("option.enable_prefix_caching=true", "enable_prefix_caching", True),
+        ("option.paged_attention=false", "enable_prefix_caching", False),
         ("option.enable_chunked_prefill=true", "enable_chunked_prefill", True),
         ("option.quantize=", "quantize", None),
         ("batch_size = 2   ", "batch_size", 2),  # trailing spaces around numbers are fine
@@ -788,9 +790,9 @@ def test_equal_min_and_max_workers_are_fine(tmp_path):
             ["option.task='text2text-generation'", "expected text-generation", "only task"],
         ),
         (
-            "option.enable_prefix_caching=true",
+            "option.enable_prefix_caching=true\noption.paged_attention=false",
             None,
-            ["option.enable_prefix_caching='true'", "expected false", "not supported yet"],
+            ["option.enable_prefix_caching=true", "contiguous layout", "paged_attention=true"],
         ),
         (
             "option.enable_chunked_prefill=false",
