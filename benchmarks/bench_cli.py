@@ -42,6 +42,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         help="at most N requests in flight, each client sending its next when one ends",
     )
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every prompt starts with the same system prompt of N tokens (prefix caching)",
+    )
+    parser.add_argument(
+        "--turns",
+        type=_positive_int,
+        default=1,
+        help="conversations of this many turns, each resending the history (prefix caching);"
+        " use --concurrency num-requests/turns so each turn follows its previous one",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", type=Path, help="model dir with tokenizer.json")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -59,10 +73,21 @@ def run(args: argparse.Namespace) -> int:
         return run_soak(args)
     tokenizer_dir = args.tokenizer or _default_tokenizer_dir()
     builder = PromptBuilder(str(tokenizer_dir / "tokenizer.json"), args.seed)
-    planned = plan(builder, args.num_requests, args.input_len, args.output_len, args.qps, args.seed)
+    planned = plan(
+        builder,
+        args.num_requests,
+        args.input_len,
+        args.output_len,
+        args.qps,
+        args.seed,
+        args.shared_prefix,
+        args.turns,
+    )
     arrival = describe_arrival(args.qps, args.concurrency)
+    shared = f" after a shared {args.shared_prefix}-token prefix" if args.shared_prefix else ""
+    turns = f", conversations of {args.turns} turns" if args.turns > 1 else ""
     title = args.title or (
-        f"{args.num_requests} requests ({arrival}), input {args.input_len}, "
+        f"{args.num_requests} requests ({arrival}{turns}), input {args.input_len}{shared}, "
         f"output {args.output_len} tokens"
     )
     runs = {}

@@ -36,7 +36,7 @@ from .serving import running_server, wait_healthy
 from .workload import Lengths, PromptBuilder, plan
 
 HERE = Path(__file__).resolve().parent
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 2048  # the shared-prefix workload's prompts are ~1,056 tokens
 MAX_SEQS = 64
 
 
@@ -47,13 +47,35 @@ class Workload:
     input_lengths: Lengths
     output_lengths: Lengths
     concurrency: int | None = None  # None: one burst
+    shared_prefix_tokens: int = 0  # a system prompt every request starts with
+    turns: int = 1  # conversations resending their history
+
+    @property
+    def shares_prefixes(self) -> bool:
+        return self.shared_prefix_tokens > 0 or self.turns > 1
 
     def describe(self) -> str:
         if self.concurrency is None:
             requests = f"burst of {self.num_requests}"
         else:
             requests = f"{self.num_requests} requests {describe_arrival(None, self.concurrency)}"
-        return f"{requests}, input {self.input_lengths}, output {self.output_lengths}"
+        if self.turns > 1:
+            requests += f", conversations of {self.turns} turns"
+        shared = f" after a shared {self.shared_prefix_tokens}-token system prompt"
+        inputs = f"input {self.input_lengths}{shared if self.shared_prefix_tokens else ''}"
+        return f"{requests}, {inputs}, output {self.output_lengths}"
+
+    def plan(self, builder: PromptBuilder, seed: int):
+        return plan(
+            builder,
+            self.num_requests,
+            self.input_lengths,
+            self.output_lengths,
+            None,
+            seed,
+            self.shared_prefix_tokens,
+            self.turns,
+        )
 
 
 WORKLOADS = (
@@ -61,6 +83,17 @@ WORKLOADS = (
     Workload("burst64-uniform16-256", 64, Lengths(16, 256), Lengths(16, 256)),
     # One stream: per-step latency at batch 1, where fixed per-step costs are all there is.
     Workload("single-in32-out256", 8, Lengths(32, 32), Lengths(256, 256), concurrency=1),
+    # Prefix caching: a chat application's fixed system prompt before each user's words, and
+    # conversations resending their history each turn (8 at a time: a turn follows its last).
+    Workload(
+        "shared1024-in32-out64",
+        32,
+        Lengths(32, 32),
+        Lengths(64, 64),
+        concurrency=8,
+        shared_prefix_tokens=1024,
+    ),
+    Workload("chat4turns-in64-out32", 32, Lengths(64, 64), Lengths(32, 32), 8, turns=4),
 )
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # vLLM runs from here, not from the repo root: on sys.path the root's kernels/ would pass for
@@ -68,8 +101,9 @@ VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 VLLM_CWD = tempfile.gettempdir()
 
 
-def lmserve_properties(dtype: str) -> dict[str, object]:
+def lmserve_properties(dtype: str, prefix_caching: bool = True) -> dict[str, object]:
     return {
+        "option.enable_prefix_caching": str(prefix_caching).lower(),
         "engine": "MPI",
         "option.tensor_parallel_degree": 1,
         "option.dtype": dtype,
@@ -111,9 +145,9 @@ def running_vllm(python: str, model_dir: Path, dtype: str, port: int, log_path: 
         # On CPU this is the share of RAM vLLM reserves (for its KV cache).
         "--gpu-memory-utilization",
         "0.3",
-        # lmserve has no prefix cache, and each run's warm-up repeats two of its prompts: with
-        # vLLM's cache on, those would be served from it. Engines are compared, not caches.
-        "--no-enable-prefix-caching",
+        # Both servers cache prefixes (each run's warm-up repeats two of its prompts, served
+        # from either cache alike); the shared-prefix workloads are what it is for.
+        "--enable-prefix-caching",
     ]
     url = f"http://127.0.0.1:{port}"
     with log_path.open("w") as log:
@@ -131,6 +165,15 @@ def running_vllm(python: str, model_dir: Path, dtype: str, port: int, log_path: 
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait()
+
+
+@contextmanager
+def _maybe_server(wanted: bool, properties: dict, port: int):
+    if not wanted:
+        yield None
+        return
+    with running_server(properties, port) as (url, _):
+        yield url
 
 
 def _run_in_vllm(python: str, code: str) -> subprocess.CompletedProcess:
@@ -180,7 +223,7 @@ def main() -> None:
     builder = PromptBuilder(str(model_dir / "tokenizer.json"), seed=0)
     # Fresh prompts for every round: nothing either server saw before.
     planned = {
-        (w, round_): plan(builder, w.num_requests, w.input_lengths, w.output_lengths, None, round_)
+        (w, round_): w.plan(builder, round_)
         for w in workloads
         for round_ in range(1, options.rounds + 1)
     }
@@ -191,9 +234,13 @@ def main() -> None:
         log_path = Path(tempfile.gettempdir()) / f"lmserve-bench-vllm-{dtype}.log"
         # Both servers up at once, their runs interleaved: this machine's speed drifts by
         # 10-30% over minutes, and alternating keeps the drift out of the comparison.
+        # Where a workload shares prefixes, lmserve with its prefix cache off runs too: what
+        # the cache itself is worth.
+        uncached = any(w.shares_prefixes for w in workloads)
         with (
             running_server(lmserve_properties(dtype), options.port) as (ours, _),
             running_vllm(options.vllm_python, model_dir, dtype, options.port + 1, log_path) as peer,
+            _maybe_server(uncached, lmserve_properties(dtype, False), options.port + 2) as off,
         ):
             for (w, round_), requests in planned.items():
                 label = f", round {round_}" if options.rounds > 1 else ""
@@ -201,6 +248,9 @@ def main() -> None:
                 vllm_run = measure(peer, "openai", requests, "smollm2", w.concurrency)
                 runs[w.name][f"lmserve (rolling, paged){label}"] = lmserve_run
                 runs[w.name][f"{vllm_label}{label}"] = vllm_run
+                if w.shares_prefixes:
+                    off_run = measure(off, "lmserve", requests, None, w.concurrency)
+                    runs[w.name][f"lmserve, prefix cache off{label}"] = off_run
         for w in workloads:
             title = f"lmserve vs vLLM, {dtype}: {w.describe()}, SmolLM2-135M, 2-core CPU"
             report.write(runs[w.name], options.out / f"{w.name}-{dtype}", title)

@@ -1,5 +1,7 @@
 """Benchmark workloads: how many requests, when they are sent, and prompts built to an exact
-token count (random words, so no server can shortcut them with a prefix cache)."""
+token count (random words, so no server can shortcut them with a prefix cache), unless the
+workload shares prefixes on purpose: a fixed system prompt before every request's own words,
+or conversations whose every turn resends the turns before it."""
 
 from __future__ import annotations
 
@@ -50,13 +52,18 @@ class PromptBuilder:
             token[1:] for token in vocab if token.startswith("\u0120") and token[1:].isalpha()
         )
 
-    def build(self, num_tokens: int) -> str:
+    def build(self, num_tokens: int, prefix: str = "") -> str:
+        """`prefix` (text this builder made) and then new words, `num_tokens` in all."""
+        num_prefix = self.count(prefix) if prefix else 0
         for _ in range(20):
-            words = [self.rng.choice(self.words) for _ in range(num_tokens)]
-            text = " " + " ".join(words)
-            if len(self.tokenizer.encode(text, add_special_tokens=True).ids) == num_tokens:
+            words = [self.rng.choice(self.words) for _ in range(num_tokens - num_prefix)]
+            text = prefix + " " + " ".join(words)
+            if self.count(text) == num_tokens:
                 return text
         raise ValueError(f"could not build a prompt of exactly {num_tokens} tokens")
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
 
 def plan(
@@ -66,18 +73,30 @@ def plan(
     output_lengths: Lengths,
     qps: float | None,
     seed: int,
+    shared_prefix_tokens: int = 0,
+    turns: int = 1,
 ) -> list[PlannedRequest]:
-    """Requests with their send times: all at 0 (a burst) or a Poisson process at `qps`."""
+    """Requests with their send times: all at 0 (a burst) or a Poisson process at `qps`.
+
+    `shared_prefix_tokens`: every prompt starts with the same system prompt of that many
+    tokens, then its own `input_lengths` tokens. `turns` > 1: conversations of that many
+    turns, each turn's prompt the previous prompt, an answer of `output_lengths` tokens (words
+    standing for the model's answer) and `input_lengths` new tokens; turns are listed round by
+    round, so with one request in flight per conversation a turn follows its previous one."""
     rng = random.Random(seed)
+    system = builder.build(shared_prefix_tokens) if shared_prefix_tokens else ""
     planned = []
     clock = 0.0
-    for _ in range(num_requests):
-        input_tokens = input_lengths.draw(rng)
-        planned.append(
-            PlannedRequest(
-                builder.build(input_tokens), input_tokens, output_lengths.draw(rng), clock
-            )
-        )
+    histories = [system] * max(1, num_requests // turns)
+    for index in range(num_requests):
+        conversation = index % len(histories)
+        history = histories[conversation]
+        input_tokens = (builder.count(history) if history else 0) + input_lengths.draw(rng)
+        prompt = builder.build(input_tokens, history)
+        output_tokens = output_lengths.draw(rng)
+        planned.append(PlannedRequest(prompt, input_tokens, output_tokens, clock))
+        if turns > 1:
+            histories[conversation] = builder.build(input_tokens + output_tokens, prompt)
         if qps is not None:
             clock += rng.expovariate(qps)
     return planned
