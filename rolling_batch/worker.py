@@ -57,7 +57,8 @@ def main() -> None:
     dtype = str(next(runner.model.parameters()).dtype).removeprefix("torch.")
     logging.getLogger("lmserve.engine").info(
         "engine=MPI model %s: %d rank(s), dtype=%s device=%s, max_rolling_batch_size=%d"
-        " max_rolling_batch_prefill_tokens=%d paged_attention=%s, KV cache %d blocks x %d tokens",
+        " max_rolling_batch_prefill_tokens=%d paged_attention=%s prefix_caching=%s, KV cache"
+        " %d blocks x %d tokens",
         runtime.model_name,
         comm.Get_size(),
         dtype,
@@ -65,6 +66,7 @@ def main() -> None:
         config.max_rolling_batch_size,
         config.max_rolling_batch_prefill_tokens,
         config.paged_attention,
+        config.enable_prefix_caching,
         runner.num_blocks,
         runner.block_size,
     )
