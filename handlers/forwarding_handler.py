@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
 
+from .engine_events import PredictionError, next_event
 from .interface import EngineConnection, HandlerRequest, HandlerResponse
-from .predictor import PredictionError, next_event
 
 _DEFAULT_CONTENT_TYPE = "application/octet-stream"
 

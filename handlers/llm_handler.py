@@ -18,10 +18,11 @@ from lmserve.rolling_batch.runtime import Runtime
 
 from .chat import is_chat, parse_chat
 from .djl_io import Input
+from .engine_events import ClientGone, PredictionError
 from .formatters import FormattedGeneration, load_formatters
 from .interface import OPENAI_ROUTES, EngineConnection, HandlerRequest, HandlerResponse, Route
 from .openai_completions import CompletionResponder, parse_completion
-from .predictor import ClientGone, PredictionError, Predictor
+from .predictor import Predictor
 from .request_parsing import BadRequest, TextRequest, load_payload, parse_payload
 from .stream_format import StreamFormat
 
