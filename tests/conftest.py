@@ -35,17 +35,19 @@ def smollm2_dir(cache_dir: Path) -> Path:
     return convert_gguf_once(embedded_gguf(), cache_dir)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def save_tiny_llama(
+    folder: Path, smollm2_dir: Path, intermediate_size: int = 64, dtype=None
+) -> Path:
+    """A random-weight two-layer Llama with SmolLM2's tokenizer, saved as an HF folder: as
+    fast as a model gets (`intermediate_size` makes a step as costly as wanted)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=49152,
         hidden_size=32,
-        intermediate_size=64,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -55,11 +57,17 @@ def tiny_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         pad_token_id=2,
         tie_word_embeddings=True,
     )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    model = LlamaForCausalLM(config)
+    (model if dtype is None else model.to(dtype)).save_pretrained(folder)
     for name in TOKENIZER_FILES:
         if (smollm2_dir / name).exists():
             shutil.copy(smollm2_dir / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import statistics
 import threading
 import time
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field
 import pytest
 import requests
 
-from ..conftest import TOKENIZER_FILES
+from ..conftest import save_tiny_llama
 from ..servers import Server, write_properties
 
 TIMEOUT_S = 3  # option.predict_timeout: far shorter than the generations
@@ -48,28 +47,9 @@ PROMPT = "Once upon a time"
 @pytest.fixture(scope="module")
 def wide_mlp_model_dir(smollm2_dir, tmp_path_factory):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = tmp_path_factory.mktemp("wide-mlp-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=1 << 19,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).exists():
-            shutil.copy(smollm2_dir / name, folder / name)
-    return folder
+    return save_tiny_llama(folder, smollm2_dir, intermediate_size=1 << 19, dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
