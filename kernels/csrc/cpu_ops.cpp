@@ -94,54 +94,248 @@ void parallel_items(const std::vector<int64_t>& order, const F& work) {
 //
 // Sequence s owns query rows query_start_loc[s]..query_start_loc[s+1] (its newest q_len tokens)
 // and has seq_lens[s] tokens cached; its row i sits at position seq_lens[s] - q_len + i and
-// sees keys 0..position. A work item is (sequence, KV head, tile of up to kTileTokens query
-// tokens): the query heads sharing the KV head and the tile's tokens are its rows, so each K/V
-// row is read once from the cache, in place, for all of them. Softmax is online (running max
-// and sum per row), one cache block of keys at a time.
+// sees keys 0..position. A work item is (sequence, KV head, tile of query tokens): the query
+// heads sharing the KV head and the tile's tokens are its rows, so each K/V row is read once
+// from the cache, in place, for all of them.
+//
+// Keys go kKeyChunk at a time (across cache blocks) through an online softmax (running max and
+// sum per row). Many rows (a prompt tile) keep a chunk's scores transposed, [key][row]: the
+// scores are then a register tile of independent FMAs, K x (scale * Q)^T with Q^T laid out
+// [head_dim][row], and the softmax runs down whole vectors of rows. A few rows (a decode: one
+// token's heads) would leave most lanes of such vectors empty, so they score by dot products
+// into [row][key]. Either way acc += P V is a register tile reading V rows in place.
 
+constexpr int64_t kKeyChunk = 64;
+// Query tokens per item: enough rows for whole vectors (a multi-head model has one row a
+// token), few enough that a long prompt still splits into many items for the threads.
 constexpr int64_t kTileTokens = 16;
+constexpr int64_t kTileRows = 32;
+constexpr int64_t kTransposeRows = 8;  // fewer rows score by dot products
+
+// Register tiles: scores kKeyTile keys x kScoreVecs vectors of rows; the output kOutRows rows
+// x kOutVecs vectors of head_dim. AVX-512 has 32 vector registers, AVX2 16.
+constexpr int kKeyTile = 4;
+constexpr int kScoreVecs = Vec::size() == 16 ? 4 : 2;
+constexpr int kOutRows = 4;
+constexpr int kOutVecs = Vec::size() == 16 ? 4 : 3;
 
 struct AttentionItem {
   int64_t seq, kv_head, token_begin, token_end;  // tokens: indices within the sequence's query
 };
 
-// Scores of `rows` query rows against one block's keys, two ways. Few rows (a decode: one
-// token's heads) take a dot product per (row, key). Many rows (a prompt tile) transpose the
-// block's keys to [head_dim, keys] once, so each row's scores for the whole block come out of
-// head_dim vector FMAs with no horizontal sums.
-constexpr int64_t kTransposeRows = 8;
+// Where a chunk's score (and then weight) of row r for key t lives: t * key + r * row.
+struct ScoreLayout {
+  int64_t key, row;
+};
 
-template <typename T>
-void block_scores_by_dots(const float* q, int64_t rows, const T* k_block, int64_t token_stride,
-                          int64_t in_block, int64_t d, float* kv_row, float* scores,
-                          int64_t score_stride) {
-  for (int64_t t = 0; t < in_block; ++t) {
-    const float* k = as_float(k_block + t * token_stride, kv_row, d);
-    for (int64_t r = 0; r < rows; ++r) scores[r * score_stride + t] = dot(q + r * d, k, d);
+// Calls f(std::integral_constant<int, n>) for a runtime 1 <= n <= N: a tile's remainder gets
+// its own fully unrolled instance.
+template <int N, typename F>
+inline void with_count(int64_t n, const F& f) {
+  if constexpr (N > 1) {
+    if (n < N) return with_count<N - 1>(n, f);
   }
+  f(std::integral_constant<int, N>{});
 }
 
-template <typename T>
-void block_scores_transposed(const float* q, int64_t rows, const T* k_block,
-                             int64_t token_stride, int64_t in_block, int64_t d, float* kv_row,
-                             float* keys_t, float* scores, int64_t score_stride) {
-  // keys_t: [d, score_stride], keys past in_block zero (their scores are masked later)
-  std::fill(keys_t, keys_t + d * score_stride, 0.f);
-  for (int64_t t = 0; t < in_block; ++t) {
-    const float* k = as_float(k_block + t * token_stride, kv_row, d);
-    for (int64_t i = 0; i < d; ++i) keys_t[i * score_stride + t] = k[i];
+// scores[t][v] for kKeyTile keys and RV vectors of rows: sum over i of key[t][i] * qt[i][v].
+template <int RV>
+inline void score_tile(const float* const* keys, const float* qt, int64_t row_pad, int64_t d,
+                       float* scores) {
+  Vec acc[kKeyTile][RV];
+  for (int t = 0; t < kKeyTile; ++t) {
+    for (int v = 0; v < RV; ++v) acc[t][v] = Vec(0.f);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* qr = q + r * d;
-    for (int64_t t = 0; t < score_stride; t += Vec::size()) {
-      Vec acc(0.f);
-      for (int64_t i = 0; i < d; ++i) {
-        acc = at::vec::fmadd(Vec(qr[i]), Vec::loadu(keys_t + i * score_stride + t), acc);
-      }
-      acc.store(scores + r * score_stride + t);
+  for (int64_t i = 0; i < d; ++i) {
+    Vec q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = Vec::loadu(qt + i * row_pad + v * Vec::size());
+    for (int t = 0; t < kKeyTile; ++t) {
+      const Vec k(keys[t][i]);
+      for (int v = 0; v < RV; ++v) acc[t][v] = at::vec::fmadd(k, q[v], acc[t][v]);
     }
   }
+  for (int t = 0; t < kKeyTile; ++t) {
+    for (int v = 0; v < RV; ++v) acc[t][v].store(scores + t * row_pad + v * Vec::size());
+  }
 }
+
+// acc[r][j] += sum over keys t of weight(t, r) * value[t][offset + j], for RT rows and DV
+// vectors of j; `acc` points at the tile's first element, rows d apart.
+template <int RT, int DV>
+inline void output_tile(const float* weights, ScoreLayout layout, const float* const* values,
+                        int64_t offset, int64_t num_keys, int64_t d, float* acc) {
+  Vec a[RT][DV];
+  for (int r = 0; r < RT; ++r) {
+    for (int j = 0; j < DV; ++j) a[r][j] = Vec::loadu(acc + r * d + j * Vec::size());
+  }
+  for (int64_t t = 0; t < num_keys; ++t) {
+    Vec v[DV];
+    for (int j = 0; j < DV; ++j) v[j] = Vec::loadu(values[t] + offset + j * Vec::size());
+    for (int r = 0; r < RT; ++r) {
+      const Vec weight(weights[t * layout.key + r * layout.row]);
+      for (int j = 0; j < DV; ++j) a[r][j] = at::vec::fmadd(weight, v[j], a[r][j]);
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    for (int j = 0; j < DV; ++j) a[r][j].store(acc + r * d + j * Vec::size());
+  }
+}
+
+// One item's rows, their running softmax state and one chunk's keys; one per thread, reused.
+struct AttentionState {
+  int64_t rows = 0, row_pad = 0, d = 0;
+  bool transposed = false;
+  ScoreLayout layout{};
+  std::vector<float> buffer;
+  float *q, *scores, *acc, *row_max, *row_sum, *correction, *last_key, *keys_f, *values_f,
+      *q_row, *zeros;
+  std::vector<const float*> keys, values;  // the chunk's K and V rows as fp32
+
+  void reset(int64_t num_rows, int64_t head_dim) {
+    rows = num_rows;
+    d = head_dim;
+    row_pad = (rows + Vec::size() - 1) / Vec::size() * Vec::size();
+    transposed = rows >= kTransposeRows;
+    layout = transposed ? ScoreLayout{row_pad, 1} : ScoreLayout{1, kKeyChunk};
+    const int64_t chunk = kKeyChunk;
+    buffer.resize(d * row_pad + chunk * row_pad + row_pad * d + 4 * row_pad + 2 * chunk * d +
+                  2 * d);
+    q = buffer.data();             // scale * Q: [d][row_pad] transposed, else [rows][d]
+    scores = q + d * row_pad;      // [chunk][row_pad] transposed, else [rows][chunk]
+    acc = scores + chunk * row_pad;  // [row_pad][d]
+    row_max = acc + row_pad * d;
+    row_sum = row_max + row_pad;
+    correction = row_sum + row_pad;
+    last_key = correction + row_pad;  // the last key each row may see, as a float
+    keys_f = last_key + row_pad;      // [chunk][d] widened K (bf16, fp16)
+    values_f = keys_f + chunk * d;    // [chunk][d] widened V
+    q_row = values_f + chunk * d;
+    zeros = q_row + d;  // stands in for the keys past the end of a partial chunk
+    std::fill(q, q + d * row_pad, 0.f);
+    std::fill(acc, acc + row_pad * d, 0.f);
+    std::fill(zeros, zeros + d, 0.f);
+    std::fill(row_max, row_max + row_pad, kNegInf);
+    std::fill(row_sum, row_sum + row_pad, 0.f);
+    keys.resize(chunk);
+    values.resize(chunk);
+  }
+
+  void set_query_row(int64_t r, const float* row, float scale) {
+    for (int64_t i = 0; i < d; ++i) {
+      (transposed ? q[i * row_pad + r] : q[r * d + i]) = row[i] * scale;
+    }
+  }
+
+  void score_chunk(int64_t in_chunk) {
+    if (!transposed) {
+      for (int64_t t = 0; t < in_chunk; ++t) {  // the rest are masked in the softmax
+        for (int64_t r = 0; r < rows; ++r) scores[r * kKeyChunk + t] = dot(q + r * d, keys[t], d);
+      }
+      return;
+    }
+    const int64_t row_vecs = row_pad / Vec::size();
+    for (int64_t t = 0; t < kKeyChunk; t += kKeyTile) {
+      for (int64_t v = 0; v < row_vecs; v += kScoreVecs) {
+        with_count<kScoreVecs>(std::min<int64_t>(kScoreVecs, row_vecs - v), [&](auto count) {
+          score_tile<decltype(count)::value>(keys.data() + t, q + v * Vec::size(), row_pad, d,
+                                             scores + t * row_pad + v * Vec::size());
+        });
+      }
+    }
+  }
+
+  // Scores of keys past a row's position become -inf, then weights exp(score - running max).
+  // Key 0 is in every row's first chunk, so a running max is finite from then on and the
+  // corrections exp(old max - new max) are never exp(-inf + inf).
+  void softmax_chunk(int64_t key0, int64_t in_chunk, bool masked) {
+    if (transposed) {
+      for (int64_t v = 0; v < row_pad; v += Vec::size()) softmax_lanes_are_rows(key0, v, masked);
+    } else {
+      for (int64_t r = 0; r < rows; ++r) softmax_lanes_are_keys(key0, in_chunk, r);
+    }
+    for (int64_t r = 0; r < rows && key0 > 0; ++r) {  // acc is still zero after chunk 0
+      if (correction[r] != 1.f) scale_in_place(acc + r * d, correction[r], d);
+    }
+  }
+
+  void softmax_lanes_are_rows(int64_t key0, int64_t v, bool masked) {
+    const Vec last = Vec::loadu(last_key + v);
+    const Vec hidden(kNegInf);
+    Vec chunk_max(kNegInf);
+    for (int64_t t = 0; t < kKeyChunk; ++t) {
+      Vec s = Vec::loadu(scores + t * row_pad + v);
+      if (masked) {
+        s = Vec::blendv(s, hidden, Vec(static_cast<float>(key0 + t)) > last);
+        s.store(scores + t * row_pad + v);
+      }
+      chunk_max = at::vec::maximum(chunk_max, s);
+    }
+    const Vec old_max = Vec::loadu(row_max + v);
+    const Vec new_max = at::vec::maximum(old_max, chunk_max);
+    Vec sums(0.f);
+    for (int64_t t = 0; t < kKeyChunk; ++t) {
+      const Vec p = (Vec::loadu(scores + t * row_pad + v) - new_max).exp();
+      p.store(scores + t * row_pad + v);
+      sums = sums + p;
+    }
+    const Vec factor = (old_max - new_max).exp();
+    (Vec::loadu(row_sum + v) * factor + sums).store(row_sum + v);
+    new_max.store(row_max + v);
+    factor.store(correction + v);
+  }
+
+  void softmax_lanes_are_keys(int64_t key0, int64_t in_chunk, int64_t r) {
+    float* s = scores + r * kKeyChunk;
+    const int64_t visible =
+        std::clamp<int64_t>(static_cast<int64_t>(last_key[r]) - key0 + 1, 0, in_chunk);
+    std::fill(s + visible, s + kKeyChunk, kNegInf);
+    Vec maxima(kNegInf);
+    for (int64_t t = 0; t < kKeyChunk; t += Vec::size()) {
+      maxima = at::vec::maximum(maxima, Vec::loadu(s + t));
+    }
+    const float new_max = std::max(
+        row_max[r], at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, maxima));
+    const Vec shift(new_max);
+    Vec sums(0.f);
+    for (int64_t t = 0; t < kKeyChunk; t += Vec::size()) {
+      const Vec p = (Vec::loadu(s + t) - shift).exp();
+      p.store(s + t);
+      sums = sums + p;
+    }
+    const float factor = std::exp(row_max[r] - new_max);
+    row_sum[r] = row_sum[r] * factor +
+                 at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, sums);
+    row_max[r] = new_max;
+    correction[r] = factor;
+  }
+
+  // acc += P V over the chunk's real keys.
+  void accumulate_values(int64_t in_chunk) {
+    const int64_t full_vecs = d / Vec::size();
+    for (int64_t r = 0; r < rows; r += kOutRows) {
+      const int64_t row_count = std::min<int64_t>(kOutRows, rows - r);
+      const float* weights = scores + r * layout.row;
+      for (int64_t j = 0; j < full_vecs; j += kOutVecs) {
+        const int64_t offset = j * Vec::size();
+        with_count<kOutRows>(row_count, [&](auto rt) {
+          with_count<kOutVecs>(std::min<int64_t>(kOutVecs, full_vecs - j), [&](auto dv) {
+            output_tile<decltype(rt)::value, decltype(dv)::value>(
+                weights, layout, values.data(), offset, in_chunk, d, acc + r * d + offset);
+          });
+        });
+      }
+      for (int64_t i = full_vecs * Vec::size(); i < d; ++i) {  // head_dim % vector width
+        for (int64_t rr = 0; rr < row_count; ++rr) {
+          float sum = acc[(r + rr) * d + i];
+          for (int64_t t = 0; t < in_chunk; ++t) {
+            sum += weights[t * layout.key + rr * layout.row] * values[t][i];
+          }
+          acc[(r + rr) * d + i] = sum;
+        }
+      }
+    }
+  }
+};
 
 template <typename T>
 void attend_item(
@@ -149,111 +343,43 @@ void attend_item(
     const T* query, int64_t q_token_stride, int64_t q_head_stride,
     const T* k_cache, const T* v_cache, int64_t block_size, int64_t kv_heads, int64_t head_dim,
     const int32_t* table, int64_t first_position, int64_t heads_per_kv, int64_t query_row0,
-    float scale, T* out, int64_t out_token_stride, std::vector<float>& scratch) {
-  const int64_t num_tokens = item.token_end - item.token_begin;
-  const int64_t rows = num_tokens * heads_per_kv;  // row r: token r / hpk, head r % hpk
+    float scale, T* out, int64_t out_token_stride, AttentionState& state) {
   const int64_t d = head_dim;
-  // Score rows padded to whole vectors: the exponentials run over full vectors.
-  const int64_t stride = (block_size + Vec::size() - 1) / Vec::size() * Vec::size();
-  scratch.resize(rows * d * 2 + rows * stride + 2 * rows + 2 * d + 2 * d * stride);
-  float* q = scratch.data();                 // [rows, d]
-  float* acc = q + rows * d;                 // [rows, d]
-  float* scores = acc + rows * d;            // [rows, stride]
-  float* row_max = scores + rows * stride;
-  float* row_sum = row_max + rows;
-  float* kv_row = row_sum + rows;            // widened K or V row
-  float* q_row = kv_row + d;
-  float* keys_t = q_row + d;                 // [d, stride]
-  float* values_f = keys_t + d * stride;     // [block_size, d] widened V (bf16, fp16)
-
-  std::vector<int64_t> last_key(rows);  // the last key each row may see
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = item.token_begin + r / heads_per_kv;
-    const int64_t head = item.kv_head * heads_per_kv + r % heads_per_kv;
-    const T* src = query + (query_row0 + token) * q_token_stride + head * q_head_stride;
-    const float* widened = as_float(src, q_row, d);
-    std::copy(widened, widened + d, q + r * d);
-    last_key[r] = first_position + token;
-    row_max[r] = kNegInf;
-    row_sum[r] = 0.f;
+  state.reset((item.token_end - item.token_begin) * heads_per_kv, d);
+  auto token_of = [&](int64_t r) { return item.token_begin + r / heads_per_kv; };
+  auto head_of = [&](int64_t r) { return item.kv_head * heads_per_kv + r % heads_per_kv; };
+  for (int64_t r = 0; r < state.row_pad; ++r) {
+    // Padding rows see every key: their lanes stay finite and are never written out.
+    const int64_t token = r < state.rows ? token_of(r) : item.token_end - 1;
+    state.last_key[r] = static_cast<float>(first_position + token);
+    if (r >= state.rows) continue;
+    const T* src = query + (query_row0 + token) * q_token_stride + head_of(r) * q_head_stride;
+    state.set_query_row(r, as_float(src, state.q_row, d), scale);
   }
-  std::fill(acc, acc + rows * d, 0.f);
 
   const int64_t num_keys = first_position + item.token_end;
-  const int64_t token_stride = kv_heads * d;
-  for (int64_t key0 = 0; key0 < num_keys; key0 += block_size) {
-    const int64_t block = table[key0 / block_size];
-    const int64_t in_block = std::min(block_size, num_keys - key0);
-    const T* k_block = k_cache + (block * block_size * kv_heads + item.kv_head) * d;
-    const T* v_block = v_cache + (block * block_size * kv_heads + item.kv_head) * d;
-    if (rows >= kTransposeRows) {
-      block_scores_transposed(q, rows, k_block, token_stride, in_block, d, kv_row, keys_t,
-                              scores, stride);
-    } else {
-      block_scores_by_dots(q, rows, k_block, token_stride, in_block, d, kv_row, scores, stride);
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t visible = std::min(in_block, last_key[r] - key0 + 1);
-      float* s = scores + r * stride;
-      if (visible <= 0) {  // the whole block is in this row's future
-        std::fill(s, s + stride, 0.f);
+  const int64_t first_hidden = first_position + item.token_begin + 1;  // row 0's first unseen
+  for (int64_t key0 = 0; key0 < num_keys; key0 += kKeyChunk) {
+    const int64_t in_chunk = std::min(kKeyChunk, num_keys - key0);
+    for (int64_t t = 0; t < kKeyChunk; ++t) {
+      if (t >= in_chunk) {
+        state.keys[t] = state.values[t] = state.zeros;
         continue;
       }
-      float block_max = kNegInf;
-      for (int64_t t = 0; t < visible; ++t) {
-        s[t] *= scale;
-        block_max = std::max(block_max, s[t]);
-      }
-      std::fill(s + visible, s + stride, kNegInf);
-      const float new_max = std::max(row_max[r], block_max);
-      if (row_max[r] != kNegInf && row_max[r] != new_max) {
-        const float correction = std::exp(row_max[r] - new_max);
-        row_sum[r] *= correction;
-        scale_in_place(acc + r * d, correction, d);
-      }
-      row_max[r] = new_max;
-      const Vec shift(new_max);
-      Vec sums(0.f);
-      for (int64_t t = 0; t < stride; t += Vec::size()) {
-        const Vec p = (Vec::loadu(s + t) - shift).exp();
-        p.store(s + t);
-        sums = sums + p;
-      }
-      row_sum[r] += at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, sums);
+      const int64_t key = key0 + t;
+      const int64_t slot = table[key / block_size] * block_size + key % block_size;
+      const int64_t at = (slot * kv_heads + item.kv_head) * d;
+      state.keys[t] = as_float(k_cache + at, state.keys_f + t * d, d);
+      state.values[t] = as_float(v_cache + at, state.values_f + t * d, d);
     }
-    // acc[r] += sum_t p[r, t] V[t]: one vector of a row's accumulator stays in a register
-    // across the block's keys. fp32 V rows are read in place, others widened once.
-    const float* values = reinterpret_cast<const float*>(v_block);
-    int64_t value_stride = token_stride;
-    if constexpr (!std::is_same_v<T, float>) {
-      for (int64_t t = 0; t < in_block; ++t) {
-        at::vec::convert(v_block + t * token_stride, values_f + t * d, d);
-      }
-      values = values_f;
-      value_stride = d;
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t visible = std::min(in_block, last_key[r] - key0 + 1);
-      const float* p = scores + r * stride;
-      float* a = acc + r * d;
-      int64_t i = 0;
-      for (; i + Vec::size() <= d; i += Vec::size()) {
-        Vec sum = Vec::loadu(a + i);
-        for (int64_t t = 0; t < visible; ++t) {
-          sum = at::vec::fmadd(Vec(p[t]), Vec::loadu(values + t * value_stride + i), sum);
-        }
-        sum.store(a + i);
-      }
-      for (; i < d; ++i) {
-        for (int64_t t = 0; t < visible; ++t) a[i] += p[t] * values[t * value_stride + i];
-      }
-    }
+    state.score_chunk(in_chunk);
+    state.softmax_chunk(key0, in_chunk, key0 + kKeyChunk > first_hidden);
+    state.accumulate_values(in_chunk);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = item.token_begin + r / heads_per_kv;
-    const int64_t head = item.kv_head * heads_per_kv + r % heads_per_kv;
-    scale_in_place(acc + r * d, 1.f / row_sum[r], d);
-    store_from_float(acc + r * d, out + (query_row0 + token) * out_token_stride + head * d, d);
+  for (int64_t r = 0; r < state.rows; ++r) {
+    float* row = state.acc + r * d;
+    scale_in_place(row, 1.f / state.row_sum[r], d);
+    store_from_float(row, out + (query_row0 + token_of(r)) * out_token_stride + head_of(r) * d, d);
   }
 }
 
@@ -271,13 +397,14 @@ void paged_attention_impl(
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.stride(0);
 
+  const int64_t tile_tokens = std::max(kTileTokens, (kTileRows + heads_per_kv - 1) / heads_per_kv);
   std::vector<AttentionItem> items;
   std::vector<int64_t> costs;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = starts[s + 1] - starts[s];
     const int64_t first_position = lens[s] - q_len;
-    for (int64_t begin = 0; begin < q_len; begin += kTileTokens) {
-      const int64_t end = std::min(q_len, begin + kTileTokens);
+    for (int64_t begin = 0; begin < q_len; begin += tile_tokens) {
+      const int64_t end = std::min(q_len, begin + tile_tokens);
       for (int64_t h = 0; h < kv_heads; ++h) {
         items.push_back({s, h, begin, end});
         costs.push_back((end - begin) * (first_position + end));
@@ -296,7 +423,7 @@ void paged_attention_impl(
   const T* v = v_cache.data_ptr<T>();
   T* o = out.data_ptr<T>();
   const int64_t workers = at::get_num_threads();
-  std::vector<std::vector<float>> scratch(workers);
+  std::vector<AttentionState> scratch(workers);
   parallel_items(order, [&](int64_t index, int64_t worker) {
     const AttentionItem& item = items[index];
     const int64_t q_len = starts[item.seq + 1] - starts[item.seq];
