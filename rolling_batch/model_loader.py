@@ -79,8 +79,6 @@ def load_model(
         model = model_class(hf_config, group, max_model_len)
     model.load_weights(iter_checkpoint(model_path))
     model = model.to(device).eval()
-    import os
-
-    if device.type == "cpu" and not os.environ.get("NOPACK"):
+    if device.type == "cpu":
         model.pack_for_cpu()
     return model

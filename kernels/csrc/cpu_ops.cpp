@@ -293,8 +293,9 @@ struct AttentionState {
     for (int64_t t = 0; t < kKeyChunk; t += Vec::size()) {
       maxima = at::vec::maximum(maxima, Vec::loadu(s + t));
     }
-    const float new_max = std::max(
-        row_max[r], at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, maxima));
+    const float chunk_max = at::vec::vec_reduce_all<float>(
+        [](Vec a, Vec b) { return at::vec::maximum(a, b); }, maxima);
+    const float new_max = std::max(row_max[r], chunk_max);
     const Vec shift(new_max);
     Vec sums(0.f);
     for (int64_t t = 0; t < kKeyChunk; t += Vec::size()) {
