@@ -119,8 +119,37 @@ constexpr int kScoreVecs = Vec::size() == 16 ? 4 : 2;
 constexpr int kOutRows = 4;
 constexpr int kOutVecs = Vec::size() == 16 ? 4 : 3;
 
+// Cascade: decodes whose block tables start with the same blocks (a prompt prefix shared
+// through the prefix cache) score those keys in one item per KV head whose rows are all of
+// their query heads, enough rows for the transposed tiles where each decode alone has too few;
+// each decode then attends over its own keys alone. Both leave partial results (unnormalised
+// output, running max and sum) that a last pass merges. Shared keys are read once, not once a
+// sequence, and the long shared range splits into parts for the threads.
+constexpr int64_t kMinSharedKeys = 2 * kKeyChunk;
+constexpr int64_t kSharedPartKeys = 4 * kKeyChunk;  // a part is at least this long
+
+struct CascadeGroup {
+  std::vector<int64_t> seqs;  // decodes (one query token each)
+  int64_t shared_keys;        // keys 0..shared_keys-1: the same cache slots for all of them
+  int64_t parts;              // the shared keys go in this many items per KV head
+  int64_t first_slot;         // partial slot of (member 0, query head 0, part 0)
+  // The partial slot of member m's query head h: parts 0..parts-1 shared, `parts` its own.
+  int64_t slot(int64_t member, int64_t head, int64_t q_heads, int64_t part) const {
+    return first_slot + (member * q_heads + head) * (parts + 1) + part;
+  }
+};
+
+enum class ItemKind { kWhole, kShared, kOwn };
+
+// A work item: one KV head, some query rows, a range of keys.
+//   kWhole: tokens token_begin..token_end of sequence `seq`, every key they see: the output.
+//   kShared: every member of cascade group `group`, keys key_begin..key_end: part `part`.
+//   kOwn: member `member` (sequence `seq`) of group `group`, its keys past the shared ones.
 struct AttentionItem {
+  ItemKind kind;
   int64_t seq, kv_head, token_begin, token_end;  // tokens: indices within the sequence's query
+  int64_t key_begin = 0, key_end = 0;
+  int64_t group = -1, member = -1, part = -1;
 };
 
 // Where a chunk's score (and then weight) of row r for key t lives: t * key + r * row.
@@ -244,16 +273,16 @@ struct AttentionState {
     }
   }
 
-  // Scores of keys past a row's position become -inf, then weights exp(score - running max).
-  // Key 0 is in every row's first chunk, so a running max is finite from then on and the
-  // corrections exp(old max - new max) are never exp(-inf + inf).
-  void softmax_chunk(int64_t key0, int64_t in_chunk, bool masked) {
+  // Scores of keys past a row's last key become -inf, then weights exp(score - running max).
+  // An item's first key is one every row sees, so a running max is finite from the first
+  // chunk on and the corrections exp(old max - new max) are never exp(-inf + inf).
+  void softmax_chunk(int64_t key0, int64_t in_chunk, bool masked, bool first_chunk) {
     if (transposed) {
       for (int64_t v = 0; v < row_pad; v += Vec::size()) softmax_lanes_are_rows(key0, v, masked);
     } else {
       for (int64_t r = 0; r < rows; ++r) softmax_lanes_are_keys(key0, in_chunk, r);
     }
-    for (int64_t r = 0; r < rows && key0 > 0; ++r) {  // acc is still zero after chunk 0
+    for (int64_t r = 0; r < rows && !first_chunk; ++r) {  // acc is still zero after the first
       if (correction[r] != 1.f) scale_in_place(acc + r * d, correction[r], d);
     }
   }
@@ -338,50 +367,218 @@ struct AttentionState {
   }
 };
 
+// What every item of one call reads and writes.
 template <typename T>
-void attend_item(
-    const AttentionItem& item,
-    const T* query, int64_t q_token_stride, int64_t q_head_stride,
-    const T* k_cache, const T* v_cache, int64_t block_size, int64_t kv_heads, int64_t head_dim,
-    const int32_t* table, int64_t first_position, int64_t heads_per_kv, int64_t query_row0,
-    float scale, T* out, int64_t out_token_stride, AttentionState& state) {
-  const int64_t d = head_dim;
-  state.reset((item.token_end - item.token_begin) * heads_per_kv, d);
-  auto token_of = [&](int64_t r) { return item.token_begin + r / heads_per_kv; };
-  auto head_of = [&](int64_t r) { return item.kv_head * heads_per_kv + r % heads_per_kv; };
-  for (int64_t r = 0; r < state.row_pad; ++r) {
-    // Padding rows see every key: their lanes stay finite and are never written out.
-    const int64_t token = r < state.rows ? token_of(r) : item.token_end - 1;
-    state.last_key[r] = static_cast<float>(first_position + token);
-    if (r >= state.rows) continue;
-    const T* src = query + (query_row0 + token) * q_token_stride + head_of(r) * q_head_stride;
-    state.set_query_row(r, as_float(src, state.q_row, d), scale);
-  }
+struct AttentionCall {
+  const T *query, *k_cache, *v_cache;
+  int64_t q_token_stride, q_head_stride, block_size, kv_heads, q_heads, heads_per_kv, d;
+  const int32_t *lens, *starts, *tables;
+  int64_t table_stride;
+  float scale;
+  T* out;
+  float* partials;  // [slot][d + 2]: unnormalised output, running max, running sum
+  const std::vector<CascadeGroup>* groups;
 
-  const int64_t num_keys = first_position + item.token_end;
-  const int64_t first_hidden = first_position + item.token_begin + 1;  // row 0's first unseen
-  for (int64_t key0 = 0; key0 < num_keys; key0 += kKeyChunk) {
-    const int64_t in_chunk = std::min(kKeyChunk, num_keys - key0);
+  int64_t q_len(int64_t seq) const { return starts[seq + 1] - starts[seq]; }
+  int64_t first_position(int64_t seq) const { return lens[seq] - q_len(seq); }
+  const int32_t* table(int64_t seq) const { return tables + seq * table_stride; }
+  int64_t out_offset(int64_t seq, int64_t token, int64_t head) const {
+    return ((starts[seq] + token) * q_heads + head) * d;
+  }
+  float* partial(const CascadeGroup& g, int64_t member, int64_t head, int64_t part) const {
+    return partials + g.slot(member, head, q_heads, part) * (d + 2);
+  }
+};
+
+// Where an item's row r comes from: a sequence's query token and a query head.
+struct RowSource {
+  int64_t seq, token, head;
+};
+
+template <typename T>
+RowSource row_source(const AttentionItem& item, const AttentionCall<T>& call, int64_t r) {
+  const int64_t head = item.kv_head * call.heads_per_kv + r % call.heads_per_kv;
+  if (item.kind == ItemKind::kShared) {
+    return {(*call.groups)[item.group].seqs[r / call.heads_per_kv], 0, head};
+  }
+  return {item.seq, item.token_begin + r / call.heads_per_kv, head};
+}
+
+// acc, max and sum over keys key_begin..key_end of the rows `state` holds; the rows' last
+// keys are in state.last_key, `table` is the block table of every row's sequence.
+template <typename T>
+void attend_keys(const AttentionCall<T>& call, const int32_t* table, int64_t kv_head,
+                 int64_t key_begin, int64_t key_end, AttentionState& state) {
+  const int64_t d = call.d;
+  // Rows see keys up to the smallest last key: chunks before it need no mask.
+  const float first_hidden =
+      *std::min_element(state.last_key, state.last_key + state.rows) + 1.f;
+  for (int64_t key0 = key_begin; key0 < key_end; key0 += kKeyChunk) {
+    const int64_t in_chunk = std::min(kKeyChunk, key_end - key0);
     for (int64_t t = 0; t < kKeyChunk; ++t) {
       if (t >= in_chunk) {
         state.keys[t] = state.values[t] = state.zeros;
         continue;
       }
       const int64_t key = key0 + t;
-      const int64_t slot = table[key / block_size] * block_size + key % block_size;
-      const int64_t at = (slot * kv_heads + item.kv_head) * d;
-      state.keys[t] = as_float(k_cache + at, state.keys_f + t * d, d);
-      state.values[t] = as_float(v_cache + at, state.values_f + t * d, d);
+      const int64_t slot = table[key / call.block_size] * call.block_size + key % call.block_size;
+      const int64_t at = (slot * call.kv_heads + kv_head) * d;
+      state.keys[t] = as_float(call.k_cache + at, state.keys_f + t * d, d);
+      state.values[t] = as_float(call.v_cache + at, state.values_f + t * d, d);
     }
     state.score_chunk(in_chunk);
-    state.softmax_chunk(key0, in_chunk, key0 + kKeyChunk > first_hidden);
+    state.softmax_chunk(key0, in_chunk, key0 + kKeyChunk > first_hidden, key0 == key_begin);
     state.accumulate_values(in_chunk);
   }
-  for (int64_t r = 0; r < state.rows; ++r) {
-    float* row = state.acc + r * d;
-    scale_in_place(row, 1.f / state.row_sum[r], d);
-    store_from_float(row, out + (query_row0 + token_of(r)) * out_token_stride + head_of(r) * d, d);
+}
+
+template <typename T>
+void attend_item(const AttentionItem& item, const AttentionCall<T>& call,
+                 AttentionState& state) {
+  const int64_t d = call.d;
+  const int64_t rows = item.kind == ItemKind::kShared
+                           ? static_cast<int64_t>((*call.groups)[item.group].seqs.size()) *
+                                 call.heads_per_kv
+                           : (item.token_end - item.token_begin) * call.heads_per_kv;
+  state.reset(rows, d);
+  for (int64_t r = 0; r < state.row_pad; ++r) {
+    // Padding rows see what the last row sees: their lanes stay finite, never written out.
+    const RowSource row = row_source(item, call, std::min(r, rows - 1));
+    const int64_t position = call.first_position(row.seq) + row.token;
+    state.last_key[r] = static_cast<float>(std::min(position, item.key_end - 1));
+    if (r >= rows) continue;
+    const T* src = call.query + (call.starts[row.seq] + row.token) * call.q_token_stride +
+                   row.head * call.q_head_stride;
+    state.set_query_row(r, as_float(src, state.q_row, d), call.scale);
   }
+  // A shared item's keys sit in the same slots for every member: any member's table reads them.
+  const int64_t table_seq = row_source(item, call, 0).seq;
+  attend_keys(call, call.table(table_seq), item.kv_head, item.key_begin, item.key_end, state);
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const RowSource row = row_source(item, call, r);
+    float* acc = state.acc + r * d;
+    if (item.kind == ItemKind::kWhole) {
+      scale_in_place(acc, 1.f / state.row_sum[r], d);
+      store_from_float(acc, call.out + call.out_offset(row.seq, row.token, row.head), d);
+      continue;
+    }
+    const CascadeGroup& g = (*call.groups)[item.group];
+    const int64_t member = item.kind == ItemKind::kShared ? r / call.heads_per_kv : item.member;
+    float* partial = call.partial(g, member, row.head, item.part);
+    std::copy(acc, acc + d, partial);
+    partial[d] = state.row_max[r];
+    partial[d + 1] = state.row_sum[r];
+  }
+}
+
+// Each cascaded decode's output: its parts' partial results rescaled to a common max.
+template <typename T>
+void merge_partials(const AttentionCall<T>& call) {
+  const int64_t d = call.d;
+  std::vector<float> acc(d);
+  for (const CascadeGroup& g : *call.groups) {
+    for (int64_t m = 0; m < static_cast<int64_t>(g.seqs.size()); ++m) {
+      for (int64_t h = 0; h < call.q_heads; ++h) {
+        float max = kNegInf;
+        for (int64_t p = 0; p <= g.parts; ++p) max = std::max(max, call.partial(g, m, h, p)[d]);
+        float sum = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = 0; p <= g.parts; ++p) {
+          const float* partial = call.partial(g, m, h, p);
+          const float factor = std::exp(partial[d] - max);
+          sum += factor * partial[d + 1];
+          axpy(factor, partial, acc.data(), d);
+        }
+        scale_in_place(acc.data(), 1.f / sum, d);
+        store_from_float(acc.data(), call.out + call.out_offset(g.seqs[m], 0, h), d);
+      }
+    }
+  }
+}
+
+// Groups of decodes that share at least kMinSharedKeys leading keys, with enough rows
+// between them for the transposed tiles. Decodes are grouped by their first block, and a
+// group shares the blocks all its members' tables agree on.
+template <typename T>
+std::vector<CascadeGroup> find_cascades(const AttentionCall<T>& shape, int64_t num_seqs,
+                                        int64_t workers) {
+  std::vector<std::pair<int32_t, int64_t>> decodes;  // (first block, sequence)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (shape.q_len(s) == 1 && shape.lens[s] > kMinSharedKeys) {
+      decodes.emplace_back(shape.table(s)[0], s);
+    }
+  }
+  std::sort(decodes.begin(), decodes.end());
+  std::vector<CascadeGroup> groups;
+  int64_t num_slots = 0;
+  const int64_t min_members = (kTransposeRows + shape.heads_per_kv - 1) / shape.heads_per_kv;
+  for (size_t begin = 0, end = 0; begin < decodes.size(); begin = end) {
+    while (end < decodes.size() && decodes[end].first == decodes[begin].first) ++end;
+    if (static_cast<int64_t>(end - begin) < std::max<int64_t>(2, min_members)) continue;
+    CascadeGroup g;
+    int64_t min_len = std::numeric_limits<int64_t>::max();
+    for (size_t i = begin; i < end; ++i) {
+      g.seqs.push_back(decodes[i].second);
+      min_len = std::min<int64_t>(min_len, shape.lens[decodes[i].second]);
+    }
+    // Blocks that hold any of the smallest context's keys; the decode's own key never shared.
+    const int64_t blocks = (min_len - 1 + shape.block_size - 1) / shape.block_size;
+    int64_t common = blocks;
+    const int32_t* first = shape.table(g.seqs[0]);
+    for (int64_t s : g.seqs) {
+      const int32_t* table = shape.table(s);
+      common = std::mismatch(first, first + common, table).first - first;
+    }
+    g.shared_keys = std::min(common * shape.block_size, min_len - 1);
+    if (g.shared_keys < kMinSharedKeys) continue;
+    // Enough shared items for two per thread, none shorter than kSharedPartKeys.
+    const int64_t wanted = (2 * workers + shape.kv_heads - 1) / shape.kv_heads;
+    g.parts = std::clamp<int64_t>(g.shared_keys / kSharedPartKeys, 1, wanted);
+    g.first_slot = num_slots;
+    num_slots += static_cast<int64_t>(g.seqs.size()) * shape.q_heads * (g.parts + 1);
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
+template <typename T>
+std::vector<AttentionItem> attention_items(const AttentionCall<T>& call, int64_t num_seqs) {
+  const int64_t tile_tokens =
+      std::max(kTileTokens, (kTileRows + call.heads_per_kv - 1) / call.heads_per_kv);
+  std::vector<bool> cascaded(num_seqs, false);
+  std::vector<AttentionItem> items;
+  const auto& groups = *call.groups;
+  for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
+    const CascadeGroup& g = groups[gi];
+    for (int64_t p = 0; p < g.parts; ++p) {
+      // Parts split the shared keys in whole chunks.
+      const int64_t chunks = (g.shared_keys + kKeyChunk - 1) / kKeyChunk;
+      const int64_t begin = std::min(g.shared_keys, chunks * p / g.parts * kKeyChunk);
+      const int64_t end = std::min(g.shared_keys, chunks * (p + 1) / g.parts * kKeyChunk);
+      for (int64_t h = 0; h < call.kv_heads; ++h) {
+        items.push_back({ItemKind::kShared, g.seqs[0], h, 0, 1, begin, end, gi, -1, p});
+      }
+    }
+    for (int64_t m = 0; m < static_cast<int64_t>(g.seqs.size()); ++m) {
+      const int64_t s = g.seqs[m];
+      cascaded[s] = true;
+      for (int64_t h = 0; h < call.kv_heads; ++h) {
+        items.push_back({ItemKind::kOwn, s, h, 0, 1, g.shared_keys, call.lens[s], gi, m, g.parts});
+      }
+    }
+  }
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (cascaded[s]) continue;
+    const int64_t q_len = call.q_len(s), first_position = call.first_position(s);
+    for (int64_t begin = 0; begin < q_len; begin += tile_tokens) {
+      const int64_t end = std::min(q_len, begin + tile_tokens);
+      for (int64_t h = 0; h < call.kv_heads; ++h) {
+        items.push_back({ItemKind::kWhole, s, h, begin, end, 0, first_position + end});
+      }
+    }
+  }
+  return items;
 }
 
 template <typename T>
@@ -390,50 +587,43 @@ void paged_attention_impl(
     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     const at::Tensor& query_start_loc, double scale) {
   const int64_t num_seqs = seq_lens.size(0);
-  const int64_t q_heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t heads_per_kv = q_heads / kv_heads;
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t table_stride = block_tables.stride(0);
+  const int64_t q_heads = query.size(1), kv_heads = k_cache.size(2);
+  AttentionCall<T> call{
+      query.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+      query.stride(0), query.stride(1), k_cache.size(1), kv_heads, q_heads,
+      q_heads / kv_heads, query.size(2),
+      seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+      block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+      static_cast<float>(scale), out.data_ptr<T>(), nullptr, nullptr};
+  const int64_t workers = at::get_num_threads();
+  const std::vector<CascadeGroup> groups = find_cascades(call, num_seqs, workers);
+  // The slot past the last group's last: where a member after its last would start.
+  const int64_t num_slots =
+      groups.empty() ? 0 : groups.back().slot(groups.back().seqs.size(), 0, q_heads, 0);
+  std::vector<float> partials(num_slots * (call.d + 2));
+  call.partials = partials.data();
+  call.groups = &groups;
 
-  const int64_t tile_tokens = std::max(kTileTokens, (kTileRows + heads_per_kv - 1) / heads_per_kv);
-  std::vector<AttentionItem> items;
-  std::vector<int64_t> costs;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t q_len = starts[s + 1] - starts[s];
-    const int64_t first_position = lens[s] - q_len;
-    for (int64_t begin = 0; begin < q_len; begin += tile_tokens) {
-      const int64_t end = std::min(q_len, begin + tile_tokens);
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        items.push_back({s, h, begin, end});
-        costs.push_back((end - begin) * (first_position + end));
-      }
-    }
-  }
+  const std::vector<AttentionItem> items = attention_items(call, num_seqs);
   // Longest first: the last items handed out are the short ones, so threads finish together.
+  std::vector<int64_t> costs(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const AttentionItem& item = items[i];
+    const int64_t rows = item.kind == ItemKind::kShared
+                             ? static_cast<int64_t>(groups[item.group].seqs.size())
+                             : item.token_end - item.token_begin;
+    costs[i] = rows * (item.key_end - item.key_begin);
+  }
   std::vector<int64_t> order(items.size());
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return costs[a] > costs[b];
   });
-
-  const T* q = query.data_ptr<T>();
-  const T* k = k_cache.data_ptr<T>();
-  const T* v = v_cache.data_ptr<T>();
-  T* o = out.data_ptr<T>();
-  const int64_t workers = at::get_num_threads();
   std::vector<AttentionState> scratch(workers);
   parallel_items(order, [&](int64_t index, int64_t worker) {
-    const AttentionItem& item = items[index];
-    const int64_t q_len = starts[item.seq + 1] - starts[item.seq];
-    attend_item<T>(
-        item, q, query.stride(0), query.stride(1), k, v, block_size, kv_heads, head_dim,
-        tables + item.seq * table_stride, lens[item.seq] - q_len, heads_per_kv,
-        starts[item.seq], static_cast<float>(scale), o, q_heads * head_dim,
-        scratch[worker % workers]);
+    attend_item<T>(items[index], call, scratch[worker % workers]);
   });
+  merge_partials(call);
 }
 
 void check_rows_contiguous(const at::Tensor& t, const char* name) {

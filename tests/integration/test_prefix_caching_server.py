@@ -21,6 +21,15 @@ SYSTEM = (
     " opening hours, bread, pastries and cakes, in one or two short sentences, politely,"
     " and you never invent prices that are not on the menu.\n"
 )
+# Long enough (over 128 tokens) that decodes sharing it are scored together (cascade).
+MENU_SYSTEM = SYSTEM + (
+    "The menu: baguette, pain de campagne, rye bread with walnuts, brioche, croissants (plain,"
+    " almond, chocolate), pain au raisin, chausson aux pommes, tarte aux fraises in summer,"
+    " tarte au citron, eclairs (coffee, chocolate), paris-brest, praluline on Saturdays,"
+    " galette des rois in January. Opening hours: Tuesday to Saturday from seven to seven,"
+    " Sunday from seven to one, closed on Monday. Birthday cakes are ordered three days"
+    " ahead by phone or in the shop. Every bread is baked on site each morning from five.\n"
+)
 QUESTIONS = [
     "When do you open on Sunday?",
     "Do you sell croissants?",
@@ -38,9 +47,9 @@ def hf(smollm2_dir):
     return model, AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-def conversation_prompts() -> list[str]:
+def conversation_prompts(system: str) -> list[str]:
     """Three turns of one conversation, each resending the history before it."""
-    history = SYSTEM
+    history = system
     prompts = []
     for question in QUESTIONS[:3]:
         history += f"User: {question}\nAssistant:"
@@ -74,20 +83,23 @@ def ask_all(server: Server, prompts: list[str]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "options",
+    ("system", "options"),
     [
-        {"option.tensor_parallel_degree": 1},
+        (MENU_SYSTEM, {"option.tensor_parallel_degree": 1}),
         # Two ranks, and a pool of 8 blocks of 16 tokens for up to 4 requests of ~60-110
         # tokens: preemptions, and cached blocks evicted to make room.
-        {
-            "option.tensor_parallel_degree": 2,
-            "option.num_kv_blocks": 8,
-            "option.max_rolling_batch_size": 4,
-        },
+        (
+            SYSTEM,
+            {
+                "option.tensor_parallel_degree": 2,
+                "option.num_kv_blocks": 8,
+                "option.max_rolling_batch_size": 4,
+            },
+        ),
     ],
     ids=["one-rank", "two-ranks-tight-pool"],
 )
-def test_shared_prefixes_are_reused_and_answers_equal_hf(tmp_path, hf, options):
+def test_shared_prefixes_are_reused_and_answers_equal_hf(tmp_path, hf, system, options):
     properties = {
         "engine": "MPI",
         "option.dtype": "fp32",
@@ -99,21 +111,23 @@ def test_shared_prefixes_are_reused_and_answers_equal_hf(tmp_path, hf, options):
     server.wait_healthy()
     try:
         model, tokenizer = hf
-        system_turns = [SYSTEM + f"User: {q}\nAssistant:" for q in QUESTIONS]
+        system_turns = [system + f"User: {q}\nAssistant:" for q in QUESTIONS]
         # The first request computes the system prompt; the rest, concurrent, reuse it.
         served = ask_all(server, system_turns[:1]) + ask_all(server, system_turns[1:])
         served += [
-            tokens for prompt in conversation_prompts() for tokens in ask_all(server, [prompt])
+            tokens
+            for prompt in conversation_prompts(system)
+            for tokens in ask_all(server, [prompt])
         ]
         queried, hit = prefix_metrics(server)
         name = requests.get(f"{server.url}/models", timeout=10).json()["models"][0]["modelName"]
         stats = requests.get(f"{server.url}/models/{name}", timeout=10).json()["engine"]["stats"]
     finally:
         assert server.stop() == 0
-    for prompt, tokens in zip(system_turns + conversation_prompts(), served):
+    for prompt, tokens in zip(system_turns + conversation_prompts(system), served):
         expected, logits = hf_greedy_alone(model, tokenizer(prompt)["input_ids"], MAX_NEW_TOKENS)
         assert_same_or_near_tie(tokens, expected, logits)
-    system_blocks = len(tokenizer(SYSTEM)["input_ids"]) // 16
+    system_blocks = len(tokenizer(system)["input_ids"]) // 16
     # At least the system prompt's full blocks for each of the 5 later system turns and the
     # conversation's turns, however the concurrent ones met in the batch.
     assert hit >= 5 * system_blocks * 16

@@ -67,3 +67,11 @@ def make_case(
         max(q_lens),
         max(total for total, _ in seqs),
     )
+
+
+def share_leading_blocks(case: PagedCase, rows: list[int], num_blocks: int) -> PagedCase:
+    """The sequences `rows` read their first `num_blocks` blocks from `rows[0]`'s: a prompt
+    prefix shared through the prefix cache (their own copies become unread noise)."""
+    for row in rows[1:]:
+        case.block_tables[row, :num_blocks] = case.block_tables[rows[0], :num_blocks]
+    return case

@@ -14,7 +14,7 @@ from lmserve.kernels.paged_attention import paged_attention_reference
 from lmserve.rolling_batch.layers.norm_and_rotary import RMSNorm, StepRope
 
 from ..conftest import TEST_CACHE_DIR
-from .paged_cases import make_case
+from .paged_cases import make_case, share_leading_blocks
 from .test_paged_attention import SCENARIOS, contiguous_attention
 
 ISAS = [isa for isa in ("avx512", "avx2") if isa in cpu_native.usable_isas()]
@@ -67,6 +67,44 @@ def test_paged_attention_reads_query_heads_from_a_fused_qkv_row(native):
     query = qkv[:, : 6 * 16].view(tokens, 6, 16)
     args = (query, *attention_args(case, 0.5)[1:])
     close(native.paged_attention(*args), paged_attention_reference(*case.args(0.5)))
+
+
+def shared_prefix_case(block_size, q_heads, kv_heads, head_dim, dtype=torch.float32):
+    """Nine decodes of different lengths on one shared prompt prefix (20 full blocks of 16),
+    one of them only one token past it; beside them a prompt chunk on the same prefix, a
+    group of eight on another prefix, one of which leaves it early (the group shares less),
+    and decodes of their own."""
+    first = [(321 + 7 * i, 1) for i in range(8)] + [(321, 1)]
+    second = [(260 + 3 * i, 1) for i in range(8)]
+    seqs = first + [(400, 40)] + second + [(350, 1), (10, 1)]
+    case = make_case(seqs, block_size, q_heads, kv_heads, head_dim, dtype=dtype, seed=5)
+    shared = 320 // block_size
+    share_leading_blocks(case, list(range(10)), shared)
+    group = list(range(10, 18))
+    share_leading_blocks(case, group, 250 // block_size)
+    share_leading_blocks(case, group[:1] + group[-1:], 150 // block_size)
+    return case
+
+
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(4, 4, 8), (6, 2, 24), (9, 3, 64)])
+def test_paged_attention_decodes_sharing_a_prefix_equal_reference(
+    native, block_size, q_heads, kv_heads, head_dim
+):
+    """Decodes on a shared prefix are scored together (cascade) and merged: the same output."""
+    case = shared_prefix_case(block_size, q_heads, kv_heads, head_dim)
+    got = native.paged_attention(*attention_args(case, 0.3))
+    close(got, paged_attention_reference(*case.args(0.3)))
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_paged_attention_shared_prefix_low_precision(native, dtype):
+    case = shared_prefix_case(16, 9, 3, 64, dtype)
+    close(
+        native.paged_attention(*attention_args(case, 0.125)),
+        contiguous_attention(case, 0.125),
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
