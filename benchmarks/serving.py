@@ -53,7 +53,7 @@ def wait_healthy(server: subprocess.Popen, health_url: str, deadline: float) -> 
         try:
             if requests.get(health_url, timeout=1).status_code == 200:
                 return True
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):  # not listening, or busy starting
             pass
         if server.poll() is not None or time.monotonic() > deadline:
             return False

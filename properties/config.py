@@ -74,7 +74,7 @@ class ServingConfig:
     gpu_memory_utilization: float
     enable_prefix_caching: bool  # resolved: the default follows paged_attention
     enable_chunked_prefill: bool
-    quantize: None
+    quantize: str | None  # int4: weight-only, on the CPU rolling batch
     # Unknown option.* keys (prefix stripped), kept for custom handlers.
     extra_options: dict[str, str] = field(default_factory=dict)
 
@@ -264,6 +264,12 @@ def _cross_field_problems(values: dict[str, Any], num_devices: int | None) -> li
             f"batch_size={values['batch_size']} with option.rolling_batch="
             f"{values['rolling_batch']!r}: dynamic batching and rolling batch exclude each other;"
             " expected batch_size=1 (use option.max_rolling_batch_size)"
+        )
+    if values["quantize"] and dynamic:
+        problems.append(
+            f"option.quantize={values['quantize']} with option.rolling_batch='disable':"
+            " quantized weights are served by the rolling batch; expected"
+            " option.rolling_batch=auto, or option.quantize unset"
         )
     if values["min_workers"] > values["max_workers"]:
         problems.append(

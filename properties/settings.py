@@ -107,13 +107,16 @@ def output_formatter(text_value: str) -> str:
     raise ValueError("json, jsonlines, sse, a function in model.py, or <module>:<function>")
 
 
-def unsupported(what: str) -> Callable[[str], Any]:
-    def parse(text_value: str) -> Any:
-        if text_value.strip() == "":
-            return None
-        raise ValueError(f"unset: {what}")
-
-    return parse
+def quantization(text_value: str) -> str | None:
+    method = text_value.strip().lower()
+    if method == "":
+        return None
+    if method == "int4":
+        return method
+    raise ValueError(
+        "int4 (weight-only, groups of 32, on the CPU rolling batch) or unset; int8, awq, gptq,"
+        " fp8 and other methods are not served yet"
+    )
 
 
 def only(allowed: str, why: str) -> Callable[[str], str]:
@@ -276,14 +279,9 @@ SETTINGS: tuple[Setting, ...] = (
         ),
         True,
     ),
-    # lmserve serves unquantized weights only; saying so beats silently ignoring the request.
-    Setting(
-        "option.quantize",
-        "quantize",
-        unsupported("lmserve serves unquantized weights (GGUF files are dequantized)"),
-        None,
-        ("HF_MODEL_QUANTIZE",),
-    ),
+    # Weight-only int4 on the CPU rolling batch; the methods not served yet are refused by
+    # name rather than silently served unquantized.
+    Setting("option.quantize", "quantize", quantization, None, ("HF_MODEL_QUANTIZE",)),
 )
 
 SETTINGS_BY_KEY = {setting.key: setting for setting in SETTINGS}

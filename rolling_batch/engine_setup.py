@@ -30,6 +30,7 @@ class RuntimeOptions:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # pins the pool instead of the memory budget
     trust_remote_code: bool = False
+    quantize: str | None = None  # int4: weight-only int4 linears (CPU)
 
     @classmethod
     def from_config(cls, config) -> RuntimeOptions:
@@ -44,6 +45,7 @@ class RuntimeOptions:
             gpu_memory_utilization=config.gpu_memory_utilization,
             num_kv_blocks=config.num_kv_blocks,
             trust_remote_code=config.trust_remote_code,
+            quantize=config.quantize,
         )
 
 
@@ -67,7 +69,7 @@ def build_runner(
         checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
     dtype = resolve_dtype(options.dtype, checkpoint_dtype, device.type)
     max_model_len = context_length(hf_config.to_dict(), options.max_model_len)
-    model = load_model(model_path, hf_config, dtype, device, group, max_model_len)
+    model = load_model(model_path, hf_config, dtype, device, group, max_model_len, options.quantize)
 
     block_size = options.block_size if options.paged_attention else max_model_len
     heads = shard_heads(

@@ -55,6 +55,7 @@ class LLM:
         cpu_kv_cache_fraction: float = 0.25,
         cache_dir: str | os.PathLike | None = None,
         trust_remote_code: bool = False,
+        quantize: str | None = None,
         loading_timeout_s: float = 600.0,
     ):
         from transformers import AutoTokenizer
@@ -73,6 +74,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             cpu_kv_cache_fraction=cpu_kv_cache_fraction,
             trust_remote_code=trust_remote_code,
+            quantize=quantize,
         )
         if tensor_parallel_degree == 1:
             self._engine = _InProcessEngine(self.model_path, options)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .layers.parallel import TensorParallelGroup
+from .layers.quantized import Int4Weight
 from .models import model_class_for
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,10 @@ def load_model(
     device: torch.device,
     group: TensorParallelGroup,
     max_model_len: int,
+    quantize: str | None = None,
 ):
+    if quantize is not None and device.type != "cpu":
+        raise ValueError(f"option.quantize={quantize} is served on CPU only (this rank: {device})")
     model_class = model_class_for(hf_config)
     # Parameters are created in the serving dtype; rotary tables stay fp32 (built explicitly so).
     with _default_dtype(dtype):
@@ -80,5 +84,23 @@ def load_model(
     model.load_weights(iter_checkpoint(model_path))
     model = model.to(device).eval()
     if device.type == "cpu":
-        model.pack_for_cpu()
+        model.pack_for_cpu(quantize)
+        if quantize is not None:
+            _log_quantized(model, quantize)
     return model
+
+
+def _log_quantized(model: torch.nn.Module, quantize: str) -> None:
+    packed = (getattr(module, "packed", None) for module in model.modules())
+    weights = [weight for weight in packed if isinstance(weight, Int4Weight)]
+    count = sum(w.out_features * w.in_features for w in weights)
+    size = sum(w.nbytes for w in weights)
+    log.info(
+        "%s: %d linear weights, %.1fM parameters in %.1f MiB (%.3f bytes each; %.1f MiB in fp32)",
+        quantize,
+        len(weights),
+        count / 1e6,
+        size / 2**20,
+        size / max(count, 1),
+        count * 4 / 2**20,
+    )

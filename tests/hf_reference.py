@@ -44,15 +44,20 @@ def hf_greedy_alone(model, prompt_ids: list[int], max_new_tokens: int):
 
 
 def assert_same_or_near_tie(
-    served: list[int], expected: list[int], logits: list[torch.Tensor], eos_ids=(2,)
-) -> None:
-    """Equal token for token, or equal up to a step where HF's top-2 logits were within
-    NEAR_TIE (then anything after may differ)."""
+    served: list[int],
+    expected: list[int],
+    logits: list[torch.Tensor],
+    eos_ids=(2,),
+    near_tie: float = NEAR_TIE,
+) -> bool:
+    """Equal token for token (True), or equal up to a step where HF's top-2 logits were within
+    `near_tie` (False; anything after may differ)."""
     for step, (got, want) in enumerate(zip(served, expected)):
         if got != want:
             top2 = torch.topk(logits[step].float(), 2).values
             gap = (top2[0] - top2[1]).item()
-            assert gap < NEAR_TIE, f"diverged at step {step} ({got} != {want}), top-2 gap {gap}"
-            return
+            assert gap < near_tie, f"diverged at step {step} ({got} != {want}), top-2 gap {gap}"
+            return False
     assert served == expected[: len(served)]
     assert len(served) == len(expected) or served[-1] in eos_ids  # only EOS ends early
+    return True

@@ -12,6 +12,8 @@ import logging
 import torch
 from torch import nn
 
+from .quantized import Int4Weight, can_quantize_int4
+
 log = logging.getLogger(__name__)
 
 
@@ -42,14 +44,21 @@ class PackableLinear(nn.Module):
     """Base of the sharded linears: `matmul` uses the packed weight once `pack` succeeded."""
 
     weight: nn.Parameter
-    packed: PackedWeight | None = None
+    packed: PackedWeight | Int4Weight | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is None:
             return nn.functional.linear(x, self.weight, bias)
         return self.packed(x, bias)
 
-    def pack(self) -> None:
-        self.packed = try_pack(self.weight.data)
+    def pack(self, quantize: str | None = None) -> None:
+        """`quantize`: None (oneDNN-packed, same dtype) or "int4" (layers/quantized.py)."""
+        weight = self.weight.data
+        if quantize == "int4" and can_quantize_int4(weight):
+            self.packed = Int4Weight.quantize(weight)
+        else:
+            if quantize is not None:
+                log.warning("a %s weight stays unquantized: %s", tuple(weight.shape), quantize)
+            self.packed = try_pack(weight)
         if self.packed is not None:  # the packed copy replaces the weight: no doubled memory
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)

@@ -127,12 +127,14 @@ class LlamaForCausalLM(nn.Module):
     def _lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, quantize: str | None = None) -> None:
         """oneDNN-packed weights for every linear and the LM head (layers/cpu_matmul.py). A
-        tied LM head is packed as a copy: the embedding lookup still reads its rows."""
+        tied LM head is packed as a copy: the embedding lookup still reads its rows.
+        `quantize="int4"` quantizes the decoder's linears; the LM head stays dense (its
+        errors land on every logit directly; llama.cpp's 4-bit files keep it at 6-8 bits)."""
         for module in self.modules():
             if isinstance(module, PackableLinear):
-                module.pack()
+                module.pack(quantize)
         self.lm_head_packed = try_pack(self._lm_head_weight().data)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

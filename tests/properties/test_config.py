@@ -173,6 +173,7 @@ def test_plain_server_keys_from_the_file(tmp_path):
         ("option.paged_attention=false", "enable_prefix_caching", False),
         ("option.enable_chunked_prefill=true", "enable_chunked_prefill", True),
         ("option.quantize=", "quantize", None),
+        ("option.quantize=INT4", "quantize", "int4"),
         ("batch_size = 2   ", "batch_size", 2),  # trailing spaces around numbers are fine
     ],
 )
@@ -744,9 +745,14 @@ def test_equal_min_and_max_workers_are_fine(tmp_path):
             ["option.output_formatter='json-lines'", "json, jsonlines, sse", "model.py"],
         ),
         ("option.output_formatter=", None, ["option.output_formatter=''", "jsonlines"]),
-        # quantize is refused, not ignored
-        ("option.quantize=awq", None, ["option.quantize='awq'", "unquantized"]),
-        ("option.quantize=bitsandbytes", None, ["option.quantize='bitsandbytes'", "unset"]),
+        # methods not served are refused, not ignored
+        ("option.quantize=awq", None, ["option.quantize='awq'", "int4", "awq", "not served"]),
+        ("option.quantize=bitsandbytes", None, ["option.quantize='bitsandbytes'", "int4"]),
+        (
+            "engine=Python\noption.rolling_batch=disable\noption.quantize=int4",
+            None,
+            ["option.quantize=int4 with option.rolling_batch='disable'", "rolling_batch=auto"],
+        ),
         # impossible combinations
         (
             "option.tensor_parallel_degree=4",
@@ -847,7 +853,7 @@ def test_each_invalid_setting_is_one_problem_naming_key_value_and_allowed(
         ),
         (
             {"HF_MODEL_QUANTIZE": "gptq"},
-            ["option.quantize='gptq'", "env HF_MODEL_QUANTIZE", "unquantized"],
+            ["option.quantize='gptq'", "env HF_MODEL_QUANTIZE", "int4"],
         ),
         ({"OPTION_ENGINE": "Rust"}, ["engine='Rust'", "env OPTION_ENGINE", "Python, MPI"]),
         ({"HF_TASK": "fill-mask"}, ["option.task='fill-mask'", "env HF_TASK", "text-generation"]),

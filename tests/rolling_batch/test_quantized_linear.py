@@ -1,0 +1,67 @@
+"""Weight-only int4 linears (layers/quantized.py): codes within half a step of each weight,
+the product HF-style arithmetic gives on the dequantized weight, 0.625 bytes a weight, and a
+layer whose input size is no multiple of the group size left dense."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmserve.rolling_batch.layers.linear import RowLinear
+from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.layers.quantized import (
+    GROUP_SIZE,
+    Int4Weight,
+    dequantize_int4,
+    quantize_int4,
+)
+
+
+def test_codes_are_within_half_a_step_of_each_weight():
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
+    weight[3, :GROUP_SIZE] = 0.25  # a constant group is exact
+    codes, scales, zeros = quantize_int4(weight)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    error = (dequantize_int4(codes, scales, zeros) - weight).abs()
+    step = scales.repeat_interleave(GROUP_SIZE, dim=1)
+    # Half a step, plus the bf16 rounding of the zero (2^-9 of its size).
+    slack = zeros.abs().repeat_interleave(GROUP_SIZE, dim=1) * 2**-8
+    assert bool((error <= step / 2 + slack + 1e-7).all())
+    assert float(error[3, :GROUP_SIZE].max()) == 0.0
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 64])
+@pytest.mark.parametrize("out_features", [40, 64])  # 40: padded to the kernel's 16-row tiles
+def test_int4_linear_equals_bf16_arithmetic_on_the_dequantized_weight(rows, out_features):
+    generator = torch.Generator().manual_seed(rows)
+    layer = RowLinear(0, 96, out_features, TensorParallelGroup(), bias=True)
+    layer.weight.data = torch.randn(out_features, 96, generator=generator)
+    layer.bias.data = torch.randn(out_features, generator=generator)
+    dequantized = dequantize_int4(*quantize_int4(layer.weight.data))
+    x = torch.randn(rows, 96, generator=generator)
+
+    layer.pack("int4")
+    got = layer(x)
+
+    assert isinstance(layer.packed, Int4Weight) and layer.weight.numel() == 0
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    product = torch.nn.functional.linear(x.bfloat16().float(), dequantized)
+    expected = product.bfloat16().float() + layer.bias
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_int4_weights_take_five_eighths_of_a_byte_each():
+    weight = Int4Weight.quantize(torch.randn(3072, 576))
+    assert weight.nbytes / (3072 * 576) == pytest.approx(0.625)
+
+
+def test_a_layer_whose_inputs_are_no_multiple_of_the_group_stays_dense():
+    layer = RowLinear(0, 48, 40, TensorParallelGroup(), bias=False)
+    layer.weight.data = torch.randn(40, 48)
+    weight = layer.weight.data.clone()
+    x = torch.randn(3, 48)
+
+    layer.pack("int4")
+
+    assert not isinstance(layer.packed, Int4Weight)
+    torch.testing.assert_close(layer(x), x @ weight.T, rtol=1e-5, atol=1e-5)
