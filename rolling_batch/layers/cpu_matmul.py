@@ -12,7 +12,7 @@ import logging
 import torch
 from torch import nn
 
-from .quantized import Int4Weight, can_quantize_int4
+from .quantized import GROUP_SIZE, Int4Weight, can_quantize_int4
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,12 @@ class PackableLinear(nn.Module):
             self.packed = Int4Weight.quantize(weight)
         else:
             if quantize is not None:
-                log.warning("a %s weight stays unquantized: %s", tuple(weight.shape), quantize)
+                log.warning(
+                    "%s: a %s weight stays dense (inputs no multiple of %d)",
+                    quantize,
+                    tuple(weight.shape),
+                    GROUP_SIZE,
+                )
             self.packed = try_pack(weight)
         if self.packed is not None:  # the packed copy replaces the weight: no doubled memory
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
