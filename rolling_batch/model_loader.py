@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .layers.parallel import TensorParallelGroup
-from .layers.quantized import Int4Weight
+from .layers.quantized import Int4Weight, Int8Weight
 from .models import model_class_for
 
 log = logging.getLogger(__name__)
@@ -91,16 +91,19 @@ def load_model(
 
 
 def _log_quantized(model: torch.nn.Module, quantize: str) -> None:
-    packed = (getattr(module, "packed", None) for module in model.modules())
-    weights = [weight for weight in packed if isinstance(weight, Int4Weight)]
-    count = sum(w.out_features * w.in_features for w in weights)
-    size = sum(w.nbytes for w in weights)
-    log.info(
-        "%s: %d linear weights, %.1fM parameters in %.1f MiB (%.3f bytes each; %.1f MiB in fp32)",
-        quantize,
-        len(weights),
-        count / 1e6,
-        size / 2**20,
-        size / max(count, 1),
-        count * 4 / 2**20,
-    )
+    packed = [getattr(module, "packed", None) for module in model.modules()]
+    packed += [model.model.embed_tokens.quantized, model.lm_head_packed]
+    for kind in (Int4Weight, Int8Weight):
+        weights = {id(w): w for w in packed if isinstance(w, kind)}.values()  # tied: once
+        count = sum(w.out_features * w.in_features for w in weights)
+        size = sum(w.nbytes for w in weights)
+        log.info(
+            "%s: %d %s weights, %.1fM parameters in %.1f MiB (%.3f bytes each; %.1f MiB as fp32)",
+            quantize,
+            len(weights),
+            kind.__name__,
+            count / 1e6,
+            size / 2**20,
+            size / max(count, 1),
+            count * 4 / 2**20,
+        )

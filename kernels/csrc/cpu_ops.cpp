@@ -868,6 +868,87 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Weight-only int8 linear, GGUF's Q8_0 layout: codes [out, in] int8 and one fp32 scale for each
+// group of 32 inputs (w = code * scale). Few rows read the weight once, which is what makes it
+// pay: the codes are a quarter of fp32's bytes. Each group's codes are widened in registers
+// and used for up to kInt8Rows rows of x at once; outputs are split across the threads in
+// blocks small enough that a block's codes stay in cache for the next rows of x.
+
+constexpr int64_t kInt8Group = 32;
+constexpr int kInt8Rows = 4;
+constexpr int64_t kInt8OutBlock = 64;
+
+// Vec::size() int8 codes widened to fp32.
+inline Vec load_int8_as_float(const int8_t* codes) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i narrow = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(narrow)));
+#else
+  const __m128i narrow = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes));
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(narrow)));
+#endif
+}
+
+// out[r][n] for R rows of x and outputs n0..n1: sum over groups of scale * (codes . x).
+template <int R>
+void int8_rows(const float* x, int64_t in, const int8_t* codes, const float* scales, int64_t n0,
+               int64_t n1, float* out, int64_t out_stride) {
+  const int64_t groups = in / kInt8Group;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row_codes = codes + n * in;
+    const float* row_scales = scales + n * groups;
+    Vec acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = Vec(0.f);
+    for (int64_t g = 0; g < groups; ++g) {
+      Vec part[R];
+      for (int r = 0; r < R; ++r) part[r] = Vec(0.f);
+      for (int64_t i = g * kInt8Group; i < (g + 1) * kInt8Group; i += Vec::size()) {
+        const Vec w = load_int8_as_float(row_codes + i);
+        for (int r = 0; r < R; ++r) part[r] = at::vec::fmadd(w, Vec::loadu(x + r * in + i), part[r]);
+      }
+      const Vec scale(row_scales[g]);
+      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(scale, part[r], acc[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      out[r * out_stride + n] =
+          at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, acc[r]);
+    }
+  }
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && x.size(1) == codes.size(1),
+              "x [rows, in] and codes [out, in] must agree on in");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous(),
+              "codes must be contiguous int8");
+  TORCH_CHECK(codes.size(1) % kInt8Group == 0, "in must be a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) / kInt8Group,
+              "scales must be contiguous fp32 [out, in / 32]");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t rows = x.size(0), in = codes.size(1), out_features = codes.size(0);
+  auto out = at::empty({rows, out_features}, xf.options());
+  const float* xs = xf.data_ptr<float>();
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const float* sc = scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t blocks = (out_features + kInt8OutBlock - 1) / kInt8OutBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t n0 = block * kInt8OutBlock;
+      const int64_t n1 = std::min(out_features, n0 + kInt8OutBlock);
+      for (int64_t r0 = 0; r0 < rows; r0 += kInt8Rows) {
+        with_count<kInt8Rows>(std::min<int64_t>(kInt8Rows, rows - r0), [&](auto count) {
+          int8_rows<decltype(count)::value>(xs + r0 * in, in, c, sc, n0, n1,
+                                            o + r0 * out_features, out_features);
+        });
+      }
+    }
+  });
+  return out.to(x.scalar_type());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -877,5 +958,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("silu_and_mul", &silu_and_mul);
+  m.def("int8_linear", &int8_linear);
   m.def("vector_width", [] { return static_cast<int64_t>(Vec::size()); });
 }

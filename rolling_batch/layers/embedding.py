@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from .parallel import TensorParallelGroup, balanced_split
+from .quantized import Int8Weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -19,12 +20,26 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start, self.num_local = self.splits[group.rank]
         self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
 
+    quantized: Int8Weight | None = None  # once `quantize` ran: the rows, in int8
+
+    def quantize(self) -> Int8Weight:
+        """int8 rows replace the weight (layers/quantized.py); returned for a tied LM head."""
+        self.quantized = Int8Weight.quantize(self.weight.data)
+        self.dtype = self.weight.dtype
+        self.weight.data = torch.empty(0, dtype=self.dtype)
+        return self.quantized
+
+    def _rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.rows(token_ids, self.dtype)
+        return nn.functional.embedding(token_ids, self.weight)
+
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
-            return nn.functional.embedding(token_ids, self.weight)
+            return self._rows(token_ids)
         local = token_ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_local)
-        rows = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        rows = self._rows(local.masked_fill(outside, 0))
         # Exactly one rank owns each token: the sum over ranks is that rank's row.
         return self.group.all_reduce(rows.masked_fill(outside[:, None], 0.0))
 

@@ -1,4 +1,6 @@
-"""Weight-only int4 linears on CPU: 4-bit codes in groups of 32 input features, each group
+"""Weight-only quantized weights on CPU.
+
+Int4: 4-bit codes in groups of 32 input features, each group
 with its own scale and zero (w = (q - 8) * scale + zero), multiplied by torch's CPU int4 GEMM
 (`_weight_int4pack_mm_for_cpu`, the kernel torchao's int4 weight-only CPU path calls).
 
@@ -9,15 +11,25 @@ Measured against the packed fp32 oneDNN weight it replaces (benchmarks/README.md
 at 1 row, equal at about 32 rows, 10-15% slower at 64-128 rows. A decode step reads every
 weight once, so a seventh of the bytes is what a small step gains; no dense copy is kept for
 large steps, so a weight takes 0.5 bytes plus 4 bytes of scale and zero a group (0.625).
+
+Int8: GGUF's Q8_0 layout, int8 codes with one fp32 scale a group of 32 (1.125 bytes a weight),
+for the LM head and the embedding it is tied to: the largest matrix of a small model, read
+whole by every decode step, and where an error lands on every logit directly. Few rows go
+through the C++ kernel (`int8_linear`, kernels/csrc/cpu_ops.cpp), which reads the codes once;
+many rows (a prompt's log-probs) through the dense matmul on blocks dequantized in turn.
 """
 
 from __future__ import annotations
 
 import torch
 
+from lmserve.kernels import cpu_native
+
 GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 block; the kernel takes 32, 64, 128 or 256
 _ROW_MULTIPLE = 16  # the packing wants output features in multiples of 16
 _SCALE_DTYPE = torch.bfloat16  # the kernel reads scales and zeros in the activations' dtype
+INT8_KERNEL_ROWS = 32  # more rows: dense matmuls on dequantized blocks
+_INT8_BLOCK = 4096  # output features dequantized at once (9 MiB of fp32 at 576 inputs)
 
 
 class Int4Weight:
@@ -49,6 +61,41 @@ class Int4Weight:
         return out if bias is None else out + bias
 
 
+class Int8Weight:
+    """A [out, in] weight as int8 codes, a scale a group; called like `linear(x, weight)`."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
+        """codes [out, in] int8; scales [out, in / GROUP_SIZE] (w = code * scale)."""
+        self.codes = codes.to(torch.int8).contiguous()
+        self.scales = scales.float().contiguous()
+        self.out_features, self.in_features = codes.shape
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
+        return cls(*quantize_int8(weight))
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight (an embedding lookup)."""
+        return dequantize_int8(self.codes[ids], self.scales[ids]).to(dtype)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        native = cpu_native.ops_for(x)
+        if native is not None and x.shape[0] <= INT8_KERNEL_ROWS:
+            out = native.int8_linear(x, self.codes, self.scales)
+        else:
+            blocks = []
+            for start in range(0, self.out_features, _INT8_BLOCK):
+                end = start + _INT8_BLOCK
+                weight = dequantize_int8(self.codes[start:end], self.scales[start:end])
+                blocks.append(torch.nn.functional.linear(x, weight.to(x.dtype)))
+            out = torch.cat(blocks, dim=-1)
+        return out if bias is None else out + bias
+
+
 def can_quantize_int4(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.shape[1] % GROUP_SIZE == 0
 
@@ -73,6 +120,21 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     return (codes.float() - 8) * expand(scales.to(_SCALE_DTYPE).float()) + expand(
         zeros.to(_SCALE_DTYPE).float()
     )
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [out, in] int8, scales [out, in / GROUP_SIZE]): Q8_0's rounding, each group's
+    largest magnitude at code +-127."""
+    out_features, in_features = weight.shape
+    groups = weight.float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    scales = groups.abs().amax(dim=-1) / 127
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group: 0
+    codes = (groups / safe[..., None]).round().clamp(-127, 127)
+    return codes.reshape(out_features, in_features).to(torch.int8), scales
+
+
+def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scales.repeat_interleave(GROUP_SIZE, dim=-1)
 
 
 def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnLinear, RowLinear
 from ..layers.norm_and_rotary import RMSNorm, RotaryEmbedding
 from ..layers.parallel import TensorParallelGroup, balanced_split, shard_heads
+from ..layers.quantized import Int8Weight
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 _FUSED = {
@@ -110,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, group, max_positions)
         self.tied = getattr(config, "tie_word_embeddings", False)
-        self.lm_head_packed: PackedWeight | None = None
+        self.lm_head_packed: PackedWeight | Int8Weight | None = None
         if not self.tied:
             self.lm_head = ParallelLMHead(self.model.embed_tokens, config.hidden_size)
 
@@ -130,12 +131,21 @@ class LlamaForCausalLM(nn.Module):
     def pack_for_cpu(self, quantize: str | None = None) -> None:
         """oneDNN-packed weights for every linear and the LM head (layers/cpu_matmul.py). A
         tied LM head is packed as a copy: the embedding lookup still reads its rows.
-        `quantize="int4"` quantizes the decoder's linears; the LM head stays dense (its
-        errors land on every logit directly; llama.cpp's 4-bit files keep it at 6-8 bits)."""
+        `quantize="int4"` quantizes the decoder's linears to int4 and the embedding and LM
+        head to int8 (an error there lands on every logit directly; llama.cpp's 4-bit files
+        keep them at 8 bits too), one int8 copy serving both when they are tied."""
         for module in self.modules():
             if isinstance(module, PackableLinear):
                 module.pack(quantize)
-        self.lm_head_packed = try_pack(self._lm_head_weight().data)
+        if quantize is None:
+            self.lm_head_packed = try_pack(self._lm_head_weight().data)
+            return
+        embedding = self.model.embed_tokens.quantize()
+        if self.tied:
+            self.lm_head_packed = embedding
+        else:
+            self.lm_head_packed = Int8Weight.quantize(self.lm_head.weight.data)
+            self.lm_head.weight.data = torch.empty(0, dtype=self.lm_head.weight.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

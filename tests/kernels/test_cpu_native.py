@@ -180,6 +180,27 @@ def test_silu_and_mul_equals_reference(native, dtype, intermediate):
     close(native.silu_and_mul(gate_up), F.silu(gate) * up, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_int8_linear_equals_the_dequantized_matmul(native, dtype, rows):
+    """Q8_0 layout: codes and a scale per 32 inputs; 200 outputs span blocks and a remainder."""
+    generator = torch.Generator().manual_seed(rows)
+    codes = torch.randint(-127, 128, (200, 96), generator=generator, dtype=torch.int8)
+    scales = torch.rand(200, 3, generator=generator) / 100
+    x = torch.randn(rows, 96, generator=generator).to(dtype)
+    weight = codes.float() * scales.repeat_interleave(32, dim=1)
+    got = native.int8_linear(x, codes, scales)
+    assert got.dtype == dtype and got.shape == (rows, 200)
+    close(got, x.float() @ weight.T, dtype)
+
+
+def test_int8_linear_refuses_inputs_no_multiple_of_32(native):
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        native.int8_linear(
+            torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8, 1)
+        )
+
+
 def test_isa_is_read_from_cpu_flags():
     assert cpu_native.cpu_isa("flags\t: fpu sse2 avx2 fma f16c\n") == "avx2"
     flags = "flags\t: avx2 fma f16c avx512f avx512bw avx512vl avx512dq\n"

@@ -1,6 +1,7 @@
-"""Weight-only int4 linears (layers/quantized.py): codes within half a step of each weight,
-the product HF-style arithmetic gives on the dequantized weight, 0.625 bytes a weight, and a
-layer whose input size is no multiple of the group size left dense."""
+"""Weight-only int4 linears and int8 weights (layers/quantized.py): codes within half a step
+of each weight, the product HF-style arithmetic gives on the dequantized weight, 0.625 and
+1.125 bytes a weight, and a layer whose input size is no multiple of the group size left
+dense."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from lmserve.rolling_batch.layers.linear import RowLinear
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
 from lmserve.rolling_batch.layers.quantized import (
     GROUP_SIZE,
+    INT8_KERNEL_ROWS,
     Int4Weight,
+    Int8Weight,
     dequantize_int4,
+    dequantize_int8,
     quantize_int4,
+    quantize_int8,
 )
 
 
@@ -65,3 +70,26 @@ def test_a_layer_whose_inputs_are_no_multiple_of_the_group_stays_dense():
 
     assert not isinstance(layer.packed, Int4Weight)
     torch.testing.assert_close(layer(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_codes_are_within_half_a_step_and_the_largest_is_exact():
+    weight = torch.randn(20, 64, generator=torch.Generator().manual_seed(1))
+    weight[2, 32:] = 0.0  # an all-zero group stays zero
+    codes, scales = quantize_int8(weight)
+    error = (dequantize_int8(codes, scales) - weight).abs()
+    assert bool((error <= scales.repeat_interleave(GROUP_SIZE, dim=1) / 2 + 1e-7).all())
+    assert int(codes.abs().max()) == 127
+    assert float(dequantize_int8(codes, scales)[2, 32:].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("rows", [1, 5, INT8_KERNEL_ROWS + 1])  # the kernel, then dense blocks
+def test_int8_weight_multiplies_and_looks_up_its_dequantized_rows(rows):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 64, generator=generator)
+    quantized = Int8Weight.quantize(weight)
+    dequantized = dequantize_int8(*quantize_int8(weight))
+    x = torch.randn(rows, 64, generator=generator)
+    torch.testing.assert_close(quantized(x), x @ dequantized.T, rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([0, 299, 7, 7])
+    torch.testing.assert_close(quantized.rows(ids, torch.float32), dequantized[ids])
+    assert quantized.nbytes / weight.numel() == pytest.approx(1.125)

@@ -19,7 +19,12 @@ from transformers import AutoModelForCausalLM
 from lmserve.rolling_batch import LLM
 from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-from lmserve.rolling_batch.layers.quantized import dequantize_int4, quantize_int4
+from lmserve.rolling_batch.layers.quantized import (
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+)
 
 from ..conftest import TEST_CACHE_DIR
 from ..hf_reference import VARIED_PROMPTS, assert_same_or_near_tie, hf_greedy_alone
@@ -41,7 +46,12 @@ class Bf16Linear(nn.Module):
 
 
 def int4_reference(model_dir, bf16_linears: bool):
+    """HF on the weights option.quantize=int4 serves: the decoder's linears through int4, the
+    embedding (tied to the LM head in both test models) through int8."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    embedding = model.model.embed_tokens.weight
+    assert model.lm_head.weight is embedding
+    embedding.data = dequantize_int8(*quantize_int8(embedding.data))
     for layer in model.model.layers:
         for block in (layer.self_attn, layer.mlp):
             for name in DECODER_LINEARS:
