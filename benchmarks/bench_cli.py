@@ -137,9 +137,16 @@ def describe_arrival(qps: float | None, concurrency: int | None) -> str:
     return bound if qps is None else f"Poisson {qps}/s, {bound}"
 
 
-def measure(url: str, api: str, planned, model: str | None, concurrency: int | None = None) -> dict:
-    loadgen.run(url, api, planned[:2], model, concurrency)  # warm-up
-    wall, results = loadgen.run(url, api, planned, model, concurrency)
+def measure(
+    url: str,
+    api: str,
+    planned,
+    model: str | None,
+    concurrency: int | None = None,
+    openai_extra: dict | None = None,
+) -> dict:
+    loadgen.run(url, api, planned[:2], model, concurrency, openai_extra)  # warm-up
+    wall, results = loadgen.run(url, api, planned, model, concurrency, openai_extra)
     return {
         "url": url,
         "summary": report.summarize(wall, results),

@@ -35,10 +35,12 @@ def run(
     planned: list[PlannedRequest],
     model: str | None,
     concurrency: int | None = None,
+    openai_extra: dict | None = None,
 ) -> tuple[float, list]:
     """(wall seconds, results in plan order). `concurrency` bounds the requests in flight: N
     clients each send their next request when the last one ends (a closed loop; 1 sends them
-    one at a time). None: every request at its planned time."""
+    one at a time). None: every request at its planned time. `openai_extra`: more fields of
+    each OpenAI request (a server that ignores `ignore_eos` gets the EOS ids' logit_bias)."""
     start = time.monotonic()
     results = [RequestResult(p.input_tokens, p.output_tokens) for p in planned]
     lock = threading.Lock()
@@ -51,7 +53,7 @@ def run(
         result = results[index]
         result.sent_at = time.monotonic() - start
         try:
-            _one(url, api, request, model, result)
+            _one(url, api, request, model, result, openai_extra or {})
         except (requests.RequestException, ValueError, KeyError) as error:
             with lock:
                 result.error = f"{type(error).__name__}: {error}"
@@ -64,7 +66,7 @@ def run(
     return time.monotonic() - start, results
 
 
-def _one(url: str, api: str, request: PlannedRequest, model: str | None, result) -> None:
+def _one(url: str, api: str, request: PlannedRequest, model: str | None, result, extra) -> None:
     sent = time.monotonic()
     if api == "openai":
         body = {
@@ -74,6 +76,7 @@ def _one(url: str, api: str, request: PlannedRequest, model: str | None, result)
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **extra,
         }
         path = "/v1/completions"
     else:

@@ -97,3 +97,42 @@ def test_arrival_is_described_in_the_title():
     assert describe_arrival(4.0, None) == "Poisson 4.0/s"
     assert describe_arrival(None, 1) == "one at a time"
     assert describe_arrival(4.0, 8) == "Poisson 4.0/s, 8 at a time"
+
+
+class _OpenAIHandler(BaseHTTPRequestHandler):
+    """One SSE token and the usage chunk; records each request's body."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.bodies.append((self.path, body))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for chunk in (
+            {"choices": [{"text": "a"}]},
+            {"choices": [], "usage": {"completion_tokens": 1}},
+        ):
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_openai_requests_carry_the_extra_fields_a_peer_server_needs():
+    """llama.cpp's server ignores ignore_eos: its runs send a logit_bias against EOS."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _OpenAIHandler)
+    server.bodies = []
+    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        extra = {"logit_bias": {"2": -100.0}}
+        _, results = loadgen.run(url, "openai", planned(2), "m", 1, openai_extra=extra)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [r.output_tokens for r in results] == [1, 1] and not any(r.error for r in results)
+    for path, body in server.bodies:
+        assert path == "/v1/completions"
+        assert body["logit_bias"] == {"2": -100.0} and body["ignore_eos"] is True

@@ -1,0 +1,121 @@
+"""lmserve's quantized weights against llama.cpp on the same GGUF file (the embedded
+SmolLM2-135M Q4_1), one request at a time: both servers up at once, their runs alternating,
+one command:
+
+    .venv/bin/python -m lmserve.benchmarks.llamacpp_compare --llamacpp-python VENV/bin/python
+
+llama.cpp is a peer to compare with, never a dependency: install its Python server into a
+separate venv first (`python -m venv VENV && VENV/bin/pip install 'llama-cpp-python[server]'`,
+which builds llama.cpp from source for this CPU in a few minutes). Its OpenAI server ignores
+`ignore_eos`, so its requests carry a logit_bias that forbids the EOS tokens instead: every
+request generates exactly its planned length on every server. lmserve runs the decoded
+weights in fp32 and `option.quantize=int4`; results go to
+benchmarks/results/llamacpp/<workload>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from lmserve.properties.config import default_cache_dir
+
+from . import report
+from .bench_cli import measure
+from .serving import running_server, wait_healthy
+from .workload import Lengths, PromptBuilder, plan
+
+HERE = Path(__file__).resolve().parent
+MAX_MODEL_LEN = 2048
+
+
+def lmserve_properties(quantize: str | None) -> dict[str, object]:
+    properties: dict[str, object] = {
+        "engine": "MPI",
+        "option.dtype": "fp32",
+        "option.max_model_len": MAX_MODEL_LEN,
+        "option.max_rolling_batch_size": 32,
+    }
+    if quantize:
+        properties["option.quantize"] = quantize
+    return properties
+
+
+@contextmanager
+def running_llamacpp(python: str, gguf: Path, port: int, log_path: Path):
+    """llama.cpp's OpenAI server on loopback, one thread a core; yields its base URL."""
+    command = [python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--n_ctx", str(MAX_MODEL_LEN)]
+    command += ["--n_threads", str(len(os.sched_getaffinity(0)))]
+    url = f"http://127.0.0.1:{port}"
+    with log_path.open("w") as log:
+        # Not from the repo root: its kernels/ would pass for another package on sys.path.
+        server = subprocess.Popen(
+            command, cwd=tempfile.gettempdir(), stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            if not wait_healthy(server, f"{url}/v1/models", time.monotonic() + 300):
+                raise SystemExit(f"llama.cpp's server did not start; see {log_path}")
+            yield url
+        finally:
+            server.terminate()
+            server.wait()
+
+
+def eos_logit_bias(model_dir: Path) -> dict[str, float]:
+    config = json.loads((model_dir / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    generation = model_dir / "generation_config.json"
+    if generation.exists():
+        more = json.loads(generation.read_text()).get("eos_token_id")
+        ids += more if isinstance(more, list) else [more]
+    return {str(token): -100.0 for token in sorted({i for i in ids if i is not None})}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--llamacpp-python", required=True, help="python of llama.cpp's venv")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "llamacpp")
+    parser.add_argument("--port", type=int, default=8110, help="the first of three")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating runs per server")
+    parser.add_argument("--num-requests", type=int, default=8)
+    options = parser.parse_args()
+    llamacpp_python = os.path.abspath(options.llamacpp_python)  # a venv's symlink, kept
+
+    from lmserve.rolling_batch.gguf_convert import embedded_gguf
+    from lmserve.rolling_batch.model_source import local_model_path
+
+    model_dir = local_model_path(None, default_cache_dir())
+    builder = PromptBuilder(str(model_dir / "tokenizer.json"), seed=0)
+    inputs, outputs = Lengths(32, 32), Lengths(256, 256)
+    planned = [
+        plan(builder, options.num_requests, inputs, outputs, None, round_)
+        for round_ in range(1, options.rounds + 1)
+    ]
+    extra = {"temperature": 0.0, "logit_bias": eos_logit_bias(model_dir)}
+    log_path = Path(tempfile.gettempdir()) / "lmserve-bench-llamacpp.log"
+    runs: dict[str, dict] = {}
+    with (
+        running_server(lmserve_properties(None), options.port) as (fp32, _),
+        running_server(lmserve_properties("int4"), options.port + 1) as (int4, _),
+        running_llamacpp(llamacpp_python, embedded_gguf(), options.port + 2, log_path) as peer,
+    ):
+        for round_, requests in enumerate(planned, 1):
+            label = f", round {round_}" if options.rounds > 1 else ""
+            runs[f"lmserve fp32{label}"] = measure(fp32, "lmserve", requests, None, 1)
+            runs[f"lmserve int4{label}"] = measure(int4, "lmserve", requests, None, 1)
+            runs[f"llama.cpp Q4_1{label}"] = measure(peer, "openai", requests, "m", 1, extra)
+    title = "lmserve vs llama.cpp, SmolLM2-135M Q4_1 GGUF: one at a time, 32 in / 256 out"
+    report.write(runs, options.out / "single-in32-out256", title)
+    print(f"\n{title}\n{report.markdown(runs)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""option.quantize=int4 on the embedded GGUF (SmolLM2-135M Q4_1, its embedding Q8_0) serves the
+file's own codes: quantizing the converted fp32 weights gives back every Q4_1 code and every
+Q8_0 code and scale exactly. Q4_1's fp16 scale d is rounded to bf16 (within 2^-8 of it) and its min m becomes the
+zero m + 8 x (the rounded d), rounded to bf16; Q8_0's fp16 scales are kept exactly (fp32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from lmserve.rolling_batch.gguf_convert import embedded_gguf
+from lmserve.rolling_batch.layers.quantized import quantize_int4, quantize_int8
+
+# GGUF names whose rows keep HF's order (llama.cpp permutes Q and K rows for its rotary).
+HF_NAMES = {
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors():
+    from gguf import GGUFReader
+
+    return {t.name: t for t in GGUFReader(str(embedded_gguf())).tensors}
+
+
+def hf_weight(smollm2_dir, name: str) -> torch.Tensor:
+    for file in sorted(smollm2_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as weights:
+            if name in weights.keys():  # noqa: SIM118 - safe_open is not a dict
+                return weights.get_tensor(name).float()
+    raise KeyError(name)
+
+
+def f16(column: np.ndarray) -> np.ndarray:
+    return column.copy().view(np.float16).astype(np.float32)[:, 0]
+
+
+@pytest.mark.parametrize("layer", [0, 29])
+@pytest.mark.parametrize("kind", sorted(HF_NAMES))
+def test_q4_1_codes_come_back_exactly(smollm2_dir, gguf_tensors, layer, kind):
+    tensor = gguf_tensors[f"blk.{layer}.{kind}.weight"]
+    assert tensor.tensor_type.name == "Q4_1"
+    blocks = np.asarray(tensor.data).reshape(-1, 20)  # fp16 d, fp16 m, 16 bytes of nibbles
+    scale, low = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
+    nibbles = blocks[:, 4:]
+    file_codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=1)  # values j and j + 16
+
+    codes, scales, zeros = quantize_int4(
+        hf_weight(smollm2_dir, f"model.layers.{layer}.{HF_NAMES[kind]}.weight")
+    )
+
+    assert np.array_equal(codes.numpy().reshape(-1, 32), file_codes)
+    scales, zeros = scales.numpy().reshape(-1), zeros.numpy().reshape(-1)
+    assert np.all(np.abs(scales - scale) <= np.abs(scale) * 2**-8 * 1.01)
+    # zero = m + 8 * (the rounded scale), itself rounded: off by 8 scale roundings at most,
+    # plus its own.
+    expected_zeros = low + 8 * scale
+    bound = (8 * np.abs(scale) + np.abs(expected_zeros)) * 2**-8 * 1.01
+    assert np.all(np.abs(zeros - expected_zeros) <= bound)
+
+
+def test_q8_0_embedding_codes_and_scales_come_back_exactly(smollm2_dir, gguf_tensors):
+    tensor = gguf_tensors["token_embd.weight"]
+    assert tensor.tensor_type.name == "Q8_0"
+    blocks = np.asarray(tensor.data).reshape(-1, 34)  # fp16 d, 32 int8 codes
+    codes, scales = quantize_int8(hf_weight(smollm2_dir, "model.embed_tokens.weight"))
+    assert np.array_equal(codes.numpy().reshape(-1, 32), blocks[:, 2:].copy().view(np.int8))
+    assert np.array_equal(scales.numpy().reshape(-1), f16(blocks[:, 0:2]))
