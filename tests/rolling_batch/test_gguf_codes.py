@@ -1,7 +1,8 @@
 """option.quantize=int4 on the embedded GGUF (SmolLM2-135M Q4_1, its embedding Q8_0) serves the
 file's own codes: quantizing the converted fp32 weights gives back every Q4_1 code and every
-Q8_0 code and scale exactly. Q4_1's fp16 scale d is rounded to bf16 (within 2^-8 of it) and its min m becomes the
-zero m + 8 x (the rounded d), rounded to bf16; Q8_0's fp16 scales are kept exactly (fp32)."""
+Q8_0 code and scale exactly. Q4_1's fp16 scale d is rounded to bf16 (within 2^-8 of it) and
+its min m becomes the zero m + 8 x (the rounded d), rounded to bf16; Q8_0's fp16 scales are
+kept exactly (fp32)."""
 
 from __future__ import annotations
 

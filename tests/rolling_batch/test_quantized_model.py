@@ -95,18 +95,35 @@ def test_int4_logits_near_hf_on_the_dequantized_weights_in_fp32(name, tiny_model
     assert worst < 3e-2, f"relative error {worst:.2e}"
 
 
-def test_int4_greedy_tokens_follow_hf_on_the_dequantized_weights(smollm2_dir):
+@pytest.fixture(scope="module")
+def hf_int4_greedy(smollm2_dir):
+    """HF's greedy ids and step logits for each prompt on the int4 weights, 32 tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    reference = int4_reference(smollm2_dir, False)
+    prompt_ids = [tokenizer(p)["input_ids"] for p in VARIED_PROMPTS]
+    return [hf_greedy_alone(reference, ids, 32) for ids in prompt_ids]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_int4_greedy_tokens_follow_hf_on_the_dequantized_weights(hf_int4_greedy, ranks):
     """The embedded model with option.quantize=int4: HF's greedy tokens on the same int4
     weights, diverging only where HF's top two were within 0.1 (0.5% of the largest logit,
     well inside the bf16 activations' error); measured: 12 of 16 prompts equal for 32
-    tokens, the others part at gaps of 0.013-0.051."""
-    with LLM(max_model_len=256, dtype="fp32", quantize="int4", cache_dir=TEST_CACHE_DIR) as llm:
+    tokens, the others part at gaps of 0.013-0.051. Two ranks quantize their own shards:
+    row-parallel shards split the inputs at multiples of 32, so every group is the one-rank
+    model's."""
+    with LLM(
+        max_model_len=256,
+        dtype="fp32",
+        quantize="int4",
+        tensor_parallel_degree=ranks,
+        cache_dir=TEST_CACHE_DIR,
+    ) as llm:
         results = llm.generate(VARIED_PROMPTS, max_new_tokens=32)
-        prompt_ids = [llm.tokenizer(p)["input_ids"] for p in VARIED_PROMPTS]
-    reference = int4_reference(smollm2_dir, False)
     same = 0
-    for ids, result in zip(prompt_ids, results):
-        expected, logits = hf_greedy_alone(reference, ids, 32)
+    for result, (expected, logits) in zip(results, hf_int4_greedy):
         same += assert_same_or_near_tie(result.token_ids, expected, logits, near_tie=0.1)
     assert same >= len(VARIED_PROMPTS) * 3 // 4
     assert "Paris" in results[0].text
