@@ -876,7 +876,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // blocks small enough that a block's codes stay in cache for the next rows of x.
 
 constexpr int64_t kInt8Group = 32;
-constexpr int kInt8Rows = 4;
+constexpr int kInt8Rows = 8;
 constexpr int64_t kInt8OutBlock = 64;
 
 // Vec::size() int8 codes widened to fp32.
@@ -890,7 +890,7 @@ inline Vec load_int8_as_float(const int8_t* codes) {
 #endif
 }
 
-// out[r][n] for R rows of x and outputs n0..n1: sum over groups of scale * (codes . x).
+// out[r][n] for R rows of x and outputs n0..n1: the sum over inputs of (code * scale) * x.
 template <int R>
 void int8_rows(const float* x, int64_t in, const int8_t* codes, const float* scales, int64_t n0,
                int64_t n1, float* out, int64_t out_stride) {
@@ -901,14 +901,11 @@ void int8_rows(const float* x, int64_t in, const int8_t* codes, const float* sca
     Vec acc[R];
     for (int r = 0; r < R; ++r) acc[r] = Vec(0.f);
     for (int64_t g = 0; g < groups; ++g) {
-      Vec part[R];
-      for (int r = 0; r < R; ++r) part[r] = Vec(0.f);
-      for (int64_t i = g * kInt8Group; i < (g + 1) * kInt8Group; i += Vec::size()) {
-        const Vec w = load_int8_as_float(row_codes + i);
-        for (int r = 0; r < R; ++r) part[r] = at::vec::fmadd(w, Vec::loadu(x + r * in + i), part[r]);
-      }
       const Vec scale(row_scales[g]);
-      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(scale, part[r], acc[r]);
+      for (int64_t i = g * kInt8Group; i < (g + 1) * kInt8Group; i += Vec::size()) {
+        const Vec w = load_int8_as_float(row_codes + i) * scale;  // once for all R rows
+        for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(w, Vec::loadu(x + r * in + i), acc[r]);
+      }
     }
     for (int r = 0; r < R; ++r) {
       out[r * out_stride + n] =

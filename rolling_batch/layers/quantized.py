@@ -14,9 +14,11 @@ large steps, so a weight takes 0.5 bytes plus 4 bytes of scale and zero a group 
 
 Int8: GGUF's Q8_0 layout, int8 codes with one fp32 scale a group of 32 (1.125 bytes a weight),
 for the LM head and the embedding it is tied to: the largest matrix of a small model, read
-whole by every decode step, and where an error lands on every logit directly. Few rows go
-through the C++ kernel (`int8_linear`, kernels/csrc/cpu_ops.cpp), which reads the codes once;
-many rows (a prompt's log-probs) through the dense matmul on blocks dequantized in turn.
+whole by every decode step, and where an error lands on every logit directly. The C++
+kernel (`int8_linear`, kernels/csrc/cpu_ops.cpp) widens each group's codes in registers for 8
+rows of x at a time; against the packed fp32 weight of SmolLM2's LM head (49152 x 576, 2
+threads) it took 1.4 / 3.6 / 7.0 / 12.6 ms at 1 / 8 / 16 / 32 rows against 5.0 / 5.5 / 7.0 /
+10.6 ms. Without the C++ kernels, dense matmuls run on blocks dequantized in turn.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from lmserve.kernels import cpu_native
 GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 block; the kernel takes 32, 64, 128 or 256
 _ROW_MULTIPLE = 16  # the packing wants output features in multiples of 16
 _SCALE_DTYPE = torch.bfloat16  # the kernel reads scales and zeros in the activations' dtype
-INT8_KERNEL_ROWS = 32  # more rows: dense matmuls on dequantized blocks
 _INT8_BLOCK = 4096  # output features dequantized at once (9 MiB of fp32 at 576 inputs)
 
 
@@ -84,7 +85,7 @@ class Int8Weight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         native = cpu_native.ops_for(x)
-        if native is not None and x.shape[0] <= INT8_KERNEL_ROWS:
+        if native is not None:
             out = native.int8_linear(x, self.codes, self.scales)
         else:
             blocks = []

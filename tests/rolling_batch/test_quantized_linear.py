@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmserve.kernels import cpu_native
 from lmserve.rolling_batch.layers.linear import RowLinear
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
 from lmserve.rolling_batch.layers.quantized import (
     GROUP_SIZE,
-    INT8_KERNEL_ROWS,
     Int4Weight,
     Int8Weight,
     dequantize_int4,
@@ -82,8 +82,13 @@ def test_int8_codes_are_within_half_a_step_and_the_largest_is_exact():
     assert float(dequantize_int8(codes, scales)[2, 32:].abs().max()) == 0.0
 
 
-@pytest.mark.parametrize("rows", [1, 5, INT8_KERNEL_ROWS + 1])  # the kernel, then dense blocks
-def test_int8_weight_multiplies_and_looks_up_its_dequantized_rows(rows):
+@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+def test_int8_weight_multiplies_and_looks_up_its_dequantized_rows(rows, kernels, monkeypatch):
+    if kernels == "reference":  # no C++ kernels: dense matmuls on dequantized blocks
+        monkeypatch.setattr(cpu_native, "ops_for", lambda tensor: None)
+    elif cpu_native.native_ops() is None:
+        pytest.skip("no C++ CPU kernels on this machine")
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(300, 64, generator=generator)
     quantized = Int8Weight.quantize(weight)
