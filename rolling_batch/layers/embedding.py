@@ -19,8 +19,7 @@ class VocabParallelEmbedding(nn.Module):
         ]
         self.vocab_start, self.num_local = self.splits[group.rank]
         self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
-
-    quantized: Int8Weight | None = None  # once `quantize` ran: the rows, in int8
+        self.quantized: Int8Weight | None = None  # once `quantize` ran: the rows, in int8
 
     def quantize(self) -> Int8Weight:
         """int8 rows replace the weight (layers/quantized.py); returned for a tied LM head."""

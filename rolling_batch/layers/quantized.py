@@ -1,16 +1,17 @@
 """Weight-only quantized weights on CPU.
 
-Int4: 4-bit codes in groups of 32 input features, each group
-with its own scale and zero (w = (q - 8) * scale + zero), multiplied by torch's CPU int4 GEMM
-(`_weight_int4pack_mm_for_cpu`, the kernel torchao's int4 weight-only CPU path calls).
+Int4: 4-bit codes in groups of 32 input features, each group with its own scale and zero
+(w = (q - 8) * scale + zero), multiplied by torch's CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`,
+the kernel torchao's int4 weight-only CPU path calls).
 
 That kernel is fast with bf16 activations only (fp32 and fp16 take a slow fallback: 1.7 ms
 and 2.6 ms against 60 us at one row for a 3072x576 weight here), so the input is rounded to
 bf16, the scales and zeros are bf16, and the output is widened back to the model's dtype.
 Measured against the packed fp32 oneDNN weight it replaces (benchmarks/README.md): ~5x faster
 at 1 row, equal at about 32 rows, 10-15% slower at 64-128 rows. A decode step reads every
-weight once, so a seventh of the bytes is what a small step gains; no dense copy is kept for
-large steps, so a weight takes 0.5 bytes plus 4 bytes of scale and zero a group (0.625).
+weight once, so a small step gains from reading about a sixth of fp32's bytes; no dense copy
+is kept for large steps, so a weight takes 0.5 bytes plus 4 bytes of scale and zero a group
+(0.625).
 
 Int8: GGUF's Q8_0 layout, int8 codes with one fp32 scale a group of 32 (1.125 bytes a weight),
 for the LM head and the embedding it is tied to: the largest matrix of a small model, read
