@@ -395,6 +395,12 @@ struct RowSource {
   int64_t seq, token, head;
 };
 
+// Query tokens an item holds: a shared item one per member (each a decode).
+int64_t item_tokens(const AttentionItem& item, const std::vector<CascadeGroup>& groups) {
+  if (item.kind == ItemKind::kShared) return static_cast<int64_t>(groups[item.group].seqs.size());
+  return item.token_end - item.token_begin;
+}
+
 template <typename T>
 RowSource row_source(const AttentionItem& item, const AttentionCall<T>& call, int64_t r) {
   const int64_t head = item.kv_head * call.heads_per_kv + r % call.heads_per_kv;
@@ -436,10 +442,7 @@ template <typename T>
 void attend_item(const AttentionItem& item, const AttentionCall<T>& call,
                  AttentionState& state) {
   const int64_t d = call.d;
-  const int64_t rows = item.kind == ItemKind::kShared
-                           ? static_cast<int64_t>((*call.groups)[item.group].seqs.size()) *
-                                 call.heads_per_kv
-                           : (item.token_end - item.token_begin) * call.heads_per_kv;
+  const int64_t rows = item_tokens(item, *call.groups) * call.heads_per_kv;
   state.reset(rows, d);
   for (int64_t r = 0; r < state.row_pad; ++r) {
     // Padding rows see what the last row sees: their lanes stay finite, never written out.
@@ -608,11 +611,7 @@ void paged_attention_impl(
   // Longest first: the last items handed out are the short ones, so threads finish together.
   std::vector<int64_t> costs(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    const AttentionItem& item = items[i];
-    const int64_t rows = item.kind == ItemKind::kShared
-                             ? static_cast<int64_t>(groups[item.group].seqs.size())
-                             : item.token_end - item.token_begin;
-    costs[i] = rows * (item.key_end - item.key_begin);
+    costs[i] = item_tokens(items[i], groups) * (items[i].key_end - items[i].key_begin);
   }
   std::vector<int64_t> order(items.size());
   std::iota(order.begin(), order.end(), 0);
