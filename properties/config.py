@@ -74,7 +74,7 @@ class ServingConfig:
     gpu_memory_utilization: float
     enable_prefix_caching: bool  # resolved: the default follows paged_attention
     enable_chunked_prefill: bool
-    quantize: str | None  # int4: weight-only, on the CPU rolling batch
+    quantize: str | None  # int4/int8 at load, awq/gptq checkpoints; the CPU rolling batch
     # Unknown option.* keys (prefix stripped), kept for custom handlers.
     extra_options: dict[str, str] = field(default_factory=dict)
 

@@ -111,11 +111,11 @@ def quantization(text_value: str) -> str | None:
     method = text_value.strip().lower()
     if method == "":
         return None
-    if method == "int4":
+    if method in ("int4", "int8", "awq", "gptq"):
         return method
     raise ValueError(
-        "int4 (weight-only, groups of 32, on the CPU rolling batch) or unset; int8, awq, gptq,"
-        " fp8 and other methods are not served yet"
+        "int4 or int8 (weight-only, quantized at load), awq or gptq (the checkpoint's own 4-bit"
+        " weights), or unset; fp8 and other methods are not served"
     )
 
 

@@ -30,7 +30,7 @@ class RuntimeOptions:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # pins the pool instead of the memory budget
     trust_remote_code: bool = False
-    quantize: str | None = None  # int4: weight-only int4 linears (CPU)
+    quantize: str | None = None  # option.quantize (model_loader.load_model)
 
     @classmethod
     def from_config(cls, config) -> RuntimeOptions:

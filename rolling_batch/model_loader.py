@@ -12,6 +12,7 @@ import torch
 from .layers.parallel import TensorParallelGroup
 from .layers.quantized import Int4Weight, Int8Weight
 from .models import model_class_for
+from .quantized_checkpoint import read_quantization, unpack_int4
 
 log = logging.getLogger(__name__)
 
@@ -75,18 +76,26 @@ def load_model(
     max_model_len: int,
     quantize: str | None = None,
 ):
-    if quantize is not None and device.type != "cpu":
-        raise ValueError(f"option.quantize={quantize} is served on CPU only (this rank: {device})")
+    """`quantize`: option.quantize, None for the checkpoint's own weights (dense, or int4 codes
+    when config.json has an AWQ or GPTQ `quantization_config`)."""
+    checkpoint = read_quantization(hf_config, quantize)
+    method = checkpoint.method if checkpoint is not None else quantize
+    if method is not None and device.type != "cpu":
+        raise ValueError(f"{method} weights are served on CPU only (this rank: {device})")
     model_class = model_class_for(hf_config)
     # Parameters are created in the serving dtype; rotary tables stay fp32 (built explicitly so).
     with _default_dtype(dtype):
         model = model_class(hf_config, group, max_model_len)
-    model.load_weights(iter_checkpoint(model_path))
+    weights = iter_checkpoint(model_path)
+    if checkpoint is not None:
+        model.expect_int4(checkpoint.kernel_group_size)
+        weights = unpack_int4(weights, checkpoint)
+    model.load_weights(weights)
     model = model.to(device).eval()
     if device.type == "cpu":
-        model.pack_for_cpu(quantize)
-        if quantize is not None:
-            _log_quantized(model, quantize)
+        model.pack_for_cpu(quantize if checkpoint is None else None)
+        if method is not None:
+            _log_quantized(model, method)
     return model
 
 

@@ -36,7 +36,7 @@ def smollm2_dir(cache_dir: Path) -> Path:
 
 
 def save_tiny_llama(
-    folder: Path, smollm2_dir: Path, intermediate_size: int = 64, dtype=None
+    folder: Path, smollm2_dir: Path, intermediate_size: int = 64, dtype=None, hidden_size=32
 ) -> Path:
     """A random-weight two-layer Llama with SmolLM2's tokenizer, saved as an HF folder: as
     fast as a model gets (`intermediate_size` makes a step as costly as wanted)."""
@@ -46,7 +46,7 @@ def save_tiny_llama(
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=49152,
-        hidden_size=32,
+        hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,

@@ -12,7 +12,7 @@ import logging
 import torch
 from torch import nn
 
-from .quantized import GROUP_SIZE, Int4Weight, can_quantize_int4
+from .quantized import GROUP_SIZE, Int4Weight, Int8Weight, can_quantize
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +44,45 @@ class PackableLinear(nn.Module):
     """Base of the sharded linears: `matmul` uses the packed weight once `pack` succeeded."""
 
     weight: nn.Parameter
-    packed: PackedWeight | Int4Weight | None = None
+    packed: PackedWeight | Int4Weight | Int8Weight | None = None
+    int4_group_size: int | None = None  # set when the checkpoint brings int4 codes
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is None:
             return nn.functional.linear(x, self.weight, bias)
         return self.packed(x, bias)
 
+    def expect_int4(self, group_size: int) -> None:
+        """The checkpoint brings this layer as int4 codes with a scale and zero a group of
+        `group_size` inputs (AWQ, GPTQ: rolling_batch/quantized_checkpoint.py). They take the
+        weight's place and load through the same `weight_loader`: output rows slice alike,
+        and a row-parallel shard's inputs must start and end on a group boundary."""
+        out_features, in_features = self.weight.shape
+        in_start = getattr(self, "in_start", 0)
+        if in_features % group_size or in_start % group_size:
+            raise ValueError(
+                f"inputs [{in_start}, {in_start + in_features}) of this rank's shard split the"
+                f" checkpoint's groups of {group_size} inputs"
+            )
+        del self.weight
+        self.int4_group_size = group_size
+        self.int4_codes = _frozen(torch.empty(out_features, in_features, dtype=torch.uint8))
+        groups = in_features // group_size
+        self.int4_scales = _frozen(torch.empty(out_features, groups, dtype=torch.float32))
+        self.int4_zeros = _frozen(torch.empty(out_features, groups, dtype=torch.float32))
+
     def pack(self, quantize: str | None = None) -> None:
-        """`quantize`: None (oneDNN-packed, same dtype) or "int4" (layers/quantized.py)."""
+        """`quantize`: None (oneDNN-packed, same dtype), "int4" or "int8" (layers/quantized.py).
+        Int4 codes from the checkpoint are packed as they are."""
+        if self.int4_group_size is not None:
+            parts = (self.int4_codes, self.int4_scales, self.int4_zeros)
+            self.packed = Int4Weight(*(p.data for p in parts), group_size=self.int4_group_size)
+            del self.int4_codes, self.int4_scales, self.int4_zeros
+            return
         weight = self.weight.data
-        if quantize == "int4" and can_quantize_int4(weight):
-            self.packed = Int4Weight.quantize(weight)
+        if quantize is not None and can_quantize(weight):
+            kind = Int4Weight if quantize == "int4" else Int8Weight
+            self.packed = kind.quantize(weight)
         else:
             if quantize is not None:
                 log.warning(
@@ -67,3 +94,7 @@ class PackableLinear(nn.Module):
             self.packed = try_pack(weight)
         if self.packed is not None:  # the packed copy replaces the weight: no doubled memory
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)

@@ -72,6 +72,7 @@ class RowLinear(PackableLinear):
         super().__init__()
         self.group = group
         self.in_start = in_start
+        self.in_size = in_size
         self.weight = _empty(out_features, in_size)
         self.bias = _empty(out_features) if bias else None
 
@@ -83,4 +84,7 @@ class RowLinear(PackableLinear):
         if param is self.bias:
             param.data.copy_(full)
             return
-        param.data.copy_(full[:, self.in_start : self.in_start + param.shape[1]])
+        # Weights and int4 codes hold a column an input, int4 scales and zeros one a group.
+        inputs_per_column = self.in_size // param.shape[1]
+        start = self.in_start // inputs_per_column
+        param.data.copy_(full[:, start : start + param.shape[1]])

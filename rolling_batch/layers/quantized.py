@@ -28,7 +28,8 @@ import torch
 
 from lmserve.kernels import cpu_native
 
-GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 block; the kernel takes 32, 64, 128 or 256
+GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 block, and what option.quantize makes
+KERNEL_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes (checkpoints bring theirs)
 _ROW_MULTIPLE = 16  # the packing wants output features in multiples of 16
 _SCALE_DTYPE = torch.bfloat16  # the kernel reads scales and zeros in the activations' dtype
 _INT8_BLOCK = 4096  # output features dequantized at once (9 MiB of fp32 at 576 inputs)
@@ -37,9 +38,17 @@ _INT8_BLOCK = 4096  # output features dequantized at once (9 MiB of fp32 at 576 
 class Int4Weight:
     """A [out, in] weight as int4 codes; called like `linear(x, weight, bias)`."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
-        """codes [out, in] in 0..15; scales and zeros [out, in / GROUP_SIZE]."""
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group_size: int = GROUP_SIZE,
+    ):
+        """codes [out, in] in 0..15; scales and zeros [out, in / group_size]."""
+        assert group_size in KERNEL_GROUP_SIZES, group_size
         self.out_features, self.in_features = codes.shape
+        self.group_size = group_size
         pad = -self.out_features % _ROW_MULTIPLE  # padding rows are zeros: scale 0, zero 0
         codes = _pad_rows(codes.to(torch.int32), pad)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
@@ -57,7 +66,7 @@ class Int4Weight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_and_zeros
+            x.to(torch.bfloat16), self.packed, self.group_size, self.scales_and_zeros
         )
         out = out[:, : self.out_features].to(x.dtype)
         return out if bias is None else out + bias
@@ -98,7 +107,7 @@ class Int8Weight:
         return out if bias is None else out + bias
 
 
-def can_quantize_int4(weight: torch.Tensor) -> bool:
+def can_quantize(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.shape[1] % GROUP_SIZE == 0
 
 
@@ -116,9 +125,11 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return codes.reshape(out_features, in_features).to(torch.uint8), scales, zeros
 
 
-def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
+def dequantize_int4(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int = GROUP_SIZE
+):
     """The fp32 weight that int4 codes stand for: what a reference model computes with."""
-    expand = lambda t: t.repeat_interleave(GROUP_SIZE, dim=1)  # noqa: E731
+    expand = lambda t: t.repeat_interleave(group_size, dim=1)  # noqa: E731
     return (codes.float() - 8) * expand(scales.to(_SCALE_DTYPE).float()) + expand(
         zeros.to(_SCALE_DTYPE).float()
     )

@@ -131,9 +131,10 @@ class LlamaForCausalLM(nn.Module):
     def pack_for_cpu(self, quantize: str | None = None) -> None:
         """oneDNN-packed weights for every linear and the LM head (layers/cpu_matmul.py). A
         tied LM head is packed as a copy: the embedding lookup still reads its rows.
-        `quantize="int4"` quantizes the decoder's linears to int4 and the embedding and LM
-        head to int8 (an error there lands on every logit directly; llama.cpp's 4-bit files
-        keep them at 8 bits too), one int8 copy serving both when they are tied."""
+        `quantize="int4"` or `"int8"` quantizes the decoder's linears so, and the embedding
+        and LM head to int8 either way (an error there lands on every logit directly;
+        llama.cpp's 4-bit files keep them at 8 bits too), one int8 copy serving both when
+        they are tied. Linears loaded as int4 codes (`expect_int4`) stay so."""
         for module in self.modules():
             if isinstance(module, PackableLinear):
                 module.pack(quantize)
@@ -146,6 +147,16 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head_packed = Int8Weight.quantize(self.lm_head.weight.data)
             self.lm_head.weight.data = torch.empty(0, dtype=self.lm_head.weight.dtype)
+
+    def expect_int4(self, group_size: int) -> None:
+        """The checkpoint's decoder linears are int4 codes in groups of `group_size` inputs
+        (AWQ, GPTQ); the embedding, norms and LM head stay dense, as the checkpoint has them."""
+        for name, module in self.named_modules():
+            if isinstance(module, PackableLinear):
+                try:
+                    module.expect_int4(group_size)
+                except ValueError as error:
+                    raise ValueError(f"{name}: {error}") from None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

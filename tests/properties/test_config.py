@@ -174,6 +174,9 @@ def test_plain_server_keys_from_the_file(tmp_path):
         ("option.enable_chunked_prefill=true", "enable_chunked_prefill", True),
         ("option.quantize=", "quantize", None),
         ("option.quantize=INT4", "quantize", "int4"),
+        ("option.quantize=int8", "quantize", "int8"),
+        ("option.quantize=AWQ", "quantize", "awq"),
+        ("option.quantize=gptq", "quantize", "gptq"),
         ("batch_size = 2   ", "batch_size", 2),  # trailing spaces around numbers are fine
     ],
 )
@@ -746,7 +749,7 @@ def test_equal_min_and_max_workers_are_fine(tmp_path):
         ),
         ("option.output_formatter=", None, ["option.output_formatter=''", "jsonlines"]),
         # methods not served are refused, not ignored
-        ("option.quantize=awq", None, ["option.quantize='awq'", "int4", "awq", "not served"]),
+        ("option.quantize=fp8", None, ["option.quantize='fp8'", "int4", "awq", "not served"]),
         ("option.quantize=bitsandbytes", None, ["option.quantize='bitsandbytes'", "int4"]),
         (
             "engine=Python\noption.rolling_batch=disable\noption.quantize=int4",
@@ -852,8 +855,8 @@ def test_each_invalid_setting_is_one_problem_naming_key_value_and_allowed(
             ["option.trust_remote_code='yes'", "env HF_MODEL_TRUST_REMOTE_CODE", "true or false"],
         ),
         (
-            {"HF_MODEL_QUANTIZE": "gptq"},
-            ["option.quantize='gptq'", "env HF_MODEL_QUANTIZE", "int4"],
+            {"HF_MODEL_QUANTIZE": "nf4"},
+            ["option.quantize='nf4'", "env HF_MODEL_QUANTIZE", "int4"],
         ),
         ({"OPTION_ENGINE": "Rust"}, ["engine='Rust'", "env OPTION_ENGINE", "Python, MPI"]),
         ({"HF_TASK": "fill-mask"}, ["option.task='fill-mask'", "env HF_TASK", "text-generation"]),

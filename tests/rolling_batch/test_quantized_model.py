@@ -45,28 +45,34 @@ class Bf16Linear(nn.Module):
         return out.bfloat16().float()
 
 
-def int4_reference(model_dir, bf16_linears: bool):
-    """HF on the weights option.quantize=int4 serves: the decoder's linears through int4, the
-    embedding (tied to the LM head in both test models) through int8."""
+def quantized_reference(model_dir, method: str, bf16_linears: bool = False):
+    """HF on the weights option.quantize=`method` serves: the decoder's linears through int4
+    or int8, the embedding (tied to the LM head in both test models) through int8."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     embedding = model.model.embed_tokens.weight
     assert model.lm_head.weight is embedding
-    embedding.data = dequantize_int8(*quantize_int8(embedding.data))
+    embedding.data = DEQUANTIZED["int8"](embedding.data)
     for layer in model.model.layers:
         for block in (layer.self_attn, layer.mlp):
             for name in DECODER_LINEARS:
                 linear = getattr(block, name, None)
                 if linear is None:
                     continue
-                linear.weight.data = dequantize_int4(*quantize_int4(linear.weight.data))
+                linear.weight.data = DEQUANTIZED[method](linear.weight.data)
                 if bf16_linears:
                     setattr(block, name, Bf16Linear(linear))
     return model
 
 
-def int4_steps(model_dir):
+DEQUANTIZED = {
+    "int4": lambda weight: dequantize_int4(*quantize_int4(weight)),
+    "int8": lambda weight: dequantize_int8(*quantize_int8(weight)),
+}
+
+
+def quantized_steps(model_dir, method: str):
     options = RuntimeOptions(
-        dtype="fp32", max_model_len=MAX_MODEL_LEN, block_size=16, max_num_seqs=4, quantize="int4"
+        dtype="fp32", max_model_len=MAX_MODEL_LEN, block_size=16, max_num_seqs=4, quantize=method
     )
     runner, _, _ = build_runner(model_dir, options, TensorParallelGroup())
     return run_steps(runner, runner.block_size)
@@ -83,16 +89,27 @@ def worst_relative_error(steps, reference) -> float:
 
 def test_int4_logits_equal_hf_with_the_kernels_roundings(tiny_model_dir):
     """The same arithmetic as HF on the dequantized weights with bf16 around each linear."""
-    steps = int4_steps(tiny_model_dir)
-    assert worst_relative_error(steps, int4_reference(tiny_model_dir, True)) < 1e-5
+    steps = quantized_steps(tiny_model_dir, "int4")
+    reference = quantized_reference(tiny_model_dir, "int4", bf16_linears=True)
+    assert worst_relative_error(steps, reference) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["tiny", "smollm2"])
 def test_int4_logits_near_hf_on_the_dequantized_weights_in_fp32(name, tiny_model_dir, smollm2_dir):
     model_dir = tiny_model_dir if name == "tiny" else smollm2_dir
-    steps = int4_steps(model_dir)
-    worst = worst_relative_error(steps, int4_reference(model_dir, False))
+    steps = quantized_steps(model_dir, "int4")
+    worst = worst_relative_error(steps, quantized_reference(model_dir, "int4"))
     assert worst < 3e-2, f"relative error {worst:.2e}"
+
+
+@pytest.mark.parametrize("name", ["tiny", "smollm2"])
+def test_int8_logits_equal_hf_on_the_dequantized_weights(name, tiny_model_dir, smollm2_dir):
+    """int8 widens codes x scale to fp32 next to fp32 activations (kernels/csrc): HF's
+    arithmetic on the dequantized weights, in another order of sums."""
+    model_dir = tiny_model_dir if name == "tiny" else smollm2_dir
+    steps = quantized_steps(model_dir, "int8")
+    worst = worst_relative_error(steps, quantized_reference(model_dir, "int8"))
+    assert worst < 1e-4, f"relative error {worst:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +118,7 @@ def hf_int4_greedy(smollm2_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    reference = int4_reference(smollm2_dir, False)
+    reference = quantized_reference(smollm2_dir, "int4")
     prompt_ids = [tokenizer(p)["input_ids"] for p in VARIED_PROMPTS]
     return [hf_greedy_alone(reference, ids, 32) for ids in prompt_ids]
 
@@ -126,4 +143,24 @@ def test_int4_greedy_tokens_follow_hf_on_the_dequantized_weights(hf_int4_greedy,
     for result, (expected, logits) in zip(results, hf_int4_greedy):
         same += assert_same_or_near_tie(result.token_ids, expected, logits, near_tie=0.1)
     assert same >= len(VARIED_PROMPTS) * 3 // 4
+    assert "Paris" in results[0].text
+
+
+def test_int8_greedy_tokens_equal_hf_on_the_dequantized_weights_at_two_ranks(smollm2_dir):
+    """The embedded model with option.quantize=int8 over two ranks (each quantizing its own
+    shard): HF's greedy tokens on the same int8 weights, in fp32 arithmetic both."""
+    prompts = VARIED_PROMPTS[:8]
+    reference = quantized_reference(smollm2_dir, "int8")
+    with LLM(
+        max_model_len=256,
+        dtype="fp32",
+        quantize="int8",
+        tensor_parallel_degree=2,
+        cache_dir=TEST_CACHE_DIR,
+    ) as llm:
+        results = llm.generate(prompts, max_new_tokens=24)
+        prompt_ids = [llm.tokenizer(p)["input_ids"] for p in prompts]
+    for result, ids in zip(results, prompt_ids):
+        expected, logits = hf_greedy_alone(reference, ids, 24)
+        assert_same_or_near_tie(result.token_ids, expected, logits)
     assert "Paris" in results[0].text
