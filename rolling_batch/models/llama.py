@@ -148,11 +148,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_packed = Int8Weight.quantize(self.lm_head.weight.data)
             self.lm_head.weight.data = torch.empty(0, dtype=self.lm_head.weight.dtype)
 
-    def expect_int4(self, group_size: int) -> None:
-        """The checkpoint's decoder linears are int4 codes in groups of `group_size` inputs
-        (AWQ, GPTQ); the embedding, norms and LM head stay dense, as the checkpoint has them."""
+    def expect_int4(self, group_size: int, linears: Iterable[str] | None = None) -> None:
+        """The checkpoint's decoder linears (all, or those named as the checkpoint names them)
+        are int4 codes in groups of `group_size` inputs (AWQ, GPTQ, GGUF's Q4); the embedding,
+        norms and LM head stay as the checkpoint has them."""
+        fused = None if linears is None else {_fused_name(f"{name}.")[0] for name in linears}
         for name, module in self.named_modules():
-            if isinstance(module, PackableLinear):
+            if isinstance(module, PackableLinear) and (fused is None or f"{name}." in fused):
                 try:
                     module.expect_int4(group_size)
                 except ValueError as error:
@@ -165,11 +167,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
                 continue
-            target, shard = name, None
-            for fragment, (fused, shard_id) in _FUSED.items():
-                if fragment in name:
-                    target, shard = name.replace(fragment, fused), shard_id
-                    break
+            target, shard = _fused_name(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             module = modules[target.rsplit(".", 1)[0]]
@@ -183,3 +181,11 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
+
+
+def _fused_name(name: str) -> tuple[str, str | int | None]:
+    """(the native model's name for checkpoint tensor `name`, its shard in a fused linear)."""
+    for fragment, (fused, shard) in _FUSED.items():
+        if fragment in name:
+            return name.replace(fragment, fused), shard
+    return name, None

@@ -1,8 +1,9 @@
 """option.quantize=int4 on the embedded GGUF (SmolLM2-135M Q4_1, its embedding Q8_0) serves the
-file's own codes: quantizing the converted fp32 weights gives back every Q4_1 code and every
-Q8_0 code and scale exactly. Q4_1's fp16 scale d is rounded to bf16 (within 2^-8 of it) and
-its min m becomes the zero m + 8 x (the rounded d), rounded to bf16; Q8_0's fp16 scales are
-kept exactly (fp32)."""
+file's own codes. The Q4_1 linears are read from the file (rolling_batch/gguf_weights.py): their
+codes, scales and zeros are the file's weights exactly until the kernel rounds the scale d and
+the zero m + 8d to bf16. Quantizing the converted fp32 weights again (what a model converted
+before the file was recorded gets) also gives back every Q4_1 code, with d within 2^-8; and
+every Q8_0 code and scale of the embedding exactly (fp32 scales)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lmserve.rolling_batch.gguf_convert import embedded_gguf
+from lmserve.rolling_batch.gguf_convert import embedded_gguf, gguf_source
+from lmserve.rolling_batch.gguf_weights import read_int4_linears
 from lmserve.rolling_batch.layers.quantized import quantize_int4, quantize_int8
+from lmserve.rolling_batch.model_loader import load_hf_config
 
 # GGUF names whose rows keep HF's order (llama.cpp permutes Q and K rows for its rotary).
 HF_NAMES = {
@@ -74,3 +77,19 @@ def test_q8_0_embedding_codes_and_scales_come_back_exactly(smollm2_dir, gguf_ten
     codes, scales = quantize_int8(hf_weight(smollm2_dir, "model.embed_tokens.weight"))
     assert np.array_equal(codes.numpy().reshape(-1, 32), blocks[:, 2:].copy().view(np.int8))
     assert np.array_equal(scales.numpy().reshape(-1), f16(blocks[:, 0:2]))
+
+
+def test_linears_read_from_the_file_are_its_q4_1_weights_in_hf_row_order(smollm2_dir):
+    assert gguf_source(smollm2_dir) == embedded_gguf().resolve()
+    linears = read_int4_linears(embedded_gguf(), load_hf_config(smollm2_dir))
+    assert len(linears) == 30 * 7
+    for layer in (0, 29):
+        for kind in (*HF_NAMES.values(), "self_attn.q_proj", "self_attn.k_proj"):
+            codes, scales, zeros = linears[f"model.layers.{layer}.{kind}"]
+            hf = hf_weight(smollm2_dir, f"model.layers.{layer}.{kind}.weight")
+            # Q and K rows back in HF's order: the codes of HF's (un-permuted) weight.
+            assert torch.equal(codes, quantize_int4(hf)[0])
+            expand = lambda t: t.repeat_interleave(32, dim=1)  # noqa: E731
+            weight = (codes.float() - 8) * expand(scales) + expand(zeros)
+            # d q + m computed as (q - 8) d + (m + 8d): fp32 roundings of the sums only.
+            assert bool(((weight - hf).abs() <= expand(scales) * 2e-6).all())

@@ -6,8 +6,9 @@ so each linear's input and output are rounded to 8 significant bits (relative 2^
 two-layer tiny Llama, HF with the same roundings at each linear gives the same logits to 1e-5
 of the largest (measured 2.6e-7): the arithmetic is the same. Against HF in plain fp32 the
 roundings add up over the layers (and over SmolLM2's 30, where a rounding that flips also
-flips everything after it, the roundings alone no longer reproduce it): measured 1.8e-3
-(tiny) and 1.4e-2 (SmolLM2) of the largest logit, bounded here by 3e-2."""
+flips everything after it, the roundings alone no longer reproduce it), and for SmolLM2, whose
+linears come from its GGUF as the file holds them, the file's fp16 scales and zeros rounded to
+bf16: measured 1.5e-3 (tiny) and 1.6e-2 (SmolLM2) of the largest logit, bounded by 3e-2."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from lmserve.rolling_batch import LLM
 from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
+from lmserve.rolling_batch.gguf_convert import gguf_source
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
 from lmserve.rolling_batch.layers.quantized import (
     dequantize_int4,
@@ -47,8 +49,10 @@ class Bf16Linear(nn.Module):
 
 def quantized_reference(model_dir, method: str, bf16_linears: bool = False):
     """HF on the weights option.quantize=`method` serves: the decoder's linears through int4
-    or int8, the embedding (tied to the LM head in both test models) through int8."""
+    or int8, the embedding (tied to the LM head in both test models) through int8. A GGUF's
+    Q4 linears are served as the file has them: HF's own weights (gguf_weights.py)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    linears_as_loaded = method == "int4" and gguf_source(model_dir) is not None
     embedding = model.model.embed_tokens.weight
     assert model.lm_head.weight is embedding
     embedding.data = DEQUANTIZED["int8"](embedding.data)
@@ -58,7 +62,8 @@ def quantized_reference(model_dir, method: str, bf16_linears: bool = False):
                 linear = getattr(block, name, None)
                 if linear is None:
                     continue
-                linear.weight.data = DEQUANTIZED[method](linear.weight.data)
+                if not linears_as_loaded:
+                    linear.weight.data = DEQUANTIZED[method](linear.weight.data)
                 if bf16_linears:
                     setattr(block, name, Bf16Linear(linear))
     return model
@@ -126,11 +131,11 @@ def hf_int4_greedy(smollm2_dir):
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_int4_greedy_tokens_follow_hf_on_the_dequantized_weights(hf_int4_greedy, ranks):
     """The embedded model with option.quantize=int4: HF's greedy tokens on the same int4
-    weights, diverging only where HF's top two were within 0.1 (0.5% of the largest logit,
-    well inside the bf16 activations' error); measured: 12 of 16 prompts equal for 32
-    tokens, the others part at gaps of 0.013-0.051. Two ranks quantize their own shards:
-    row-parallel shards split the inputs at multiples of 32, so every group is the one-rank
-    model's."""
+    weights (the GGUF's own), diverging only where HF's top two were within 0.25 (about 1% of
+    the largest logit, inside the 1.6e-2 measured for the logits' error above); measured: 12
+    (one rank) and 13 (two) of 16 prompts equal for 32 tokens. Two ranks read their own
+    shards: row-parallel shards split the inputs at multiples of 32, so every group is the
+    one-rank model's."""
     with LLM(
         max_model_len=256,
         dtype="fp32",
@@ -141,7 +146,7 @@ def test_int4_greedy_tokens_follow_hf_on_the_dequantized_weights(hf_int4_greedy,
         results = llm.generate(VARIED_PROMPTS, max_new_tokens=32)
     same = 0
     for result, (expected, logits) in zip(results, hf_int4_greedy):
-        same += assert_same_or_near_tie(result.token_ids, expected, logits, near_tie=0.1)
+        same += assert_same_or_near_tie(result.token_ids, expected, logits, near_tie=0.25)
     assert same >= len(VARIED_PROMPTS) * 3 // 4
     assert "Paris" in results[0].text
 

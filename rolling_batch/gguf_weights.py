@@ -1,0 +1,113 @@
+"""A GGUF's 4-bit linears (Q4_0, Q4_1) read as int4 codes, scales and zeros, as the file has them.
+
+For option.quantize=int4 on a model converted from GGUF (gguf_convert.py records which file),
+the decoder linears stored as Q4_0 or Q4_1 load from the file itself rather than being quantized
+again from the converted fp32 weights. A block holds 32 weights of a row: an fp16 scale d (Q4_1
+also an fp16 min m) and 16 bytes of codes, weight j in the low nibble of byte j and weight
+j + 16 in the high one; Q4_1 means w = d q + m, Q4_0 w = d (q - 8). The int4 linears compute
+w = (q - 8) scale + zero, so scale = d and zero = m + 8d (Q4_1) or 0 (Q4_0); the kernel rounds
+both to bf16, once. llama.cpp stores the Q and K rows permuted for its rotary; the rows move
+back into HF's order with their blocks, which changes no value. Other tensor types (Q8_0, F32,
+the K-quants) come from the converted checkpoint as before.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .layers.quantized import GROUP_SIZE
+
+_HF_LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Linears the native model computes as one matmul: kept as codes together or not at all.
+_FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+Int4Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def read_int4_linears(gguf: Path, hf_config) -> dict[str, Int4Parts]:
+    """{HF linear name (`model.layers.0.self_attn.q_proj`): (codes [out, in] uint8, scales,
+    zeros [out, in / 32] fp32)} for the file's Q4_0 and Q4_1 decoder linears."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf))
+    field = reader.fields["general.architecture"]
+    permuted = bytes(field.parts[field.data[0]]).decode() == "llama"
+    by_layer: dict[int, dict[str, object]] = {}
+    for tensor in reader.tensors:
+        match = _NAME.fullmatch(tensor.name)
+        if match and match[2] in _HF_LINEARS and tensor.tensor_type.name in _BLOCK_BYTES:
+            by_layer.setdefault(int(match[1]), {})[match[2]] = tensor
+    parts = {}
+    for layer, tensors in by_layer.items():
+        for kind, tensor in tensors.items():
+            family = next((f for f in _FUSED if kind in f), (kind,))
+            if all(member in tensors for member in family):
+                codes, scales, zeros = _unpack_q4(tensor)
+                rows = _hf_row_order(kind, codes.shape[0], hf_config, permuted)
+                parts[f"model.layers.{layer}.{_HF_LINEARS[kind]}"] = (
+                    codes[rows].contiguous(),
+                    scales[rows].contiguous(),
+                    zeros[rows].contiguous(),
+                )
+    return parts
+
+
+def _unpack_q4(tensor) -> Int4Parts:
+    kind = tensor.tensor_type.name
+    rows = np.asarray(tensor.data)  # [out, blocks x block bytes]
+    blocks = rows.reshape(rows.shape[0], -1, _BLOCK_BYTES[kind])
+    scales = _fp16(blocks[..., 0:2])
+    if kind == "Q4_1":
+        zeros = _fp16(blocks[..., 2:4]) + 8 * scales
+    else:
+        zeros = np.zeros_like(scales)
+    nibbles = blocks[..., _BLOCK_BYTES[kind] - GROUP_SIZE // 2 :]
+    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows.shape[0], -1)
+    return torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros)
+
+
+def _fp16(pairs: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(pairs).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _hf_row_order(kind: str, num_rows: int, hf_config, permuted: bool) -> torch.Tensor | slice:
+    """HF row r of a Q or K weight is the file's row order[r] (llama.cpp's convert interleaves
+    each head's two rotary halves for its `llama` architecture, Mistral included)."""
+    if not permuted or kind not in ("attn_q", "attn_k"):
+        return slice(None)
+    heads = hf_config.num_attention_heads
+    if kind == "attn_k":
+        heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    half = num_rows // heads // 2
+    # The file's rows per head are (i, pair) for i < half, pair in (0, 1): HF's row
+    # (pair, i) of the head is the file's row 2i + pair.
+    return torch.arange(num_rows).reshape(heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+def with_int4_linears(
+    weights: Iterator[tuple[str, torch.Tensor]], linears: dict[str, Int4Parts]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The converted checkpoint's tensors with `linears`' dense weights replaced by their codes,
+    scales and zeros (what `PackableLinear.expect_int4` takes)."""
+    for name, tensor in weights:
+        if name.removesuffix(".weight") not in linears:
+            yield name, tensor
+    for prefix, (codes, scales, zeros) in linears.items():
+        yield f"{prefix}.int4_codes", codes
+        yield f"{prefix}.int4_scales", scales
+        yield f"{prefix}.int4_zeros", zeros
