@@ -8,14 +8,15 @@ llama.cpp is a peer to compare with, never a dependency: install its Python serv
 separate venv first (`python -m venv VENV && VENV/bin/pip install 'llama-cpp-python[server]'`,
 which builds llama.cpp from source for this CPU in a few minutes). Its OpenAI server ignores
 `ignore_eos`, so its requests carry a logit_bias that forbids the EOS tokens instead: every
-request generates exactly its planned length on every server. lmserve runs the decoded
-weights in fp32 and `option.quantize=int4`; results go to
+request generates exactly its planned length on every server. lmserve runs one server per
+`--variants` entry (fp32 and `option.quantize=int4` unless told); results go to
 benchmarks/results/llamacpp/<workload>/.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -35,10 +36,18 @@ HERE = Path(__file__).resolve().parent
 MAX_MODEL_LEN = 2048
 
 
-def lmserve_properties(quantize: str | None) -> dict[str, object]:
+DTYPES = ("fp32", "bf16")
+
+
+def lmserve_properties(variant: str) -> dict[str, object]:
+    """`variant`: a dtype (dense weights: "fp32", "bf16") or an option.quantize value, with
+    fp32 activations or with a dtype after a dash ("int4-bf16")."""
+    quantize, _, dtype = variant.partition("-")
+    if quantize in DTYPES:
+        quantize, dtype = "", quantize
     properties: dict[str, object] = {
         "engine": "MPI",
-        "option.dtype": "fp32",
+        "option.dtype": dtype or "fp32",
         "option.max_model_len": MAX_MODEL_LEN,
         "option.max_rolling_batch_size": 32,
     }
@@ -83,7 +92,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--llamacpp-python", required=True, help="python of llama.cpp's venv")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "llamacpp")
-    parser.add_argument("--port", type=int, default=8110, help="the first of three")
+    parser.add_argument("--port", type=int, default=8110, help="the first of the servers'")
+    parser.add_argument(
+        "--variants",
+        default="fp32,int4",
+        help="lmserve servers, comma-separated: fp32, bf16, int8, int4, int4-bf16, ...",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs per server")
     parser.add_argument("--num-requests", type=int, default=8)
     options = parser.parse_args()
@@ -102,15 +116,20 @@ def main() -> None:
     extra = {"temperature": 0.0, "logit_bias": eos_logit_bias(model_dir)}
     log_path = Path(tempfile.gettempdir()) / "lmserve-bench-llamacpp.log"
     runs: dict[str, dict] = {}
-    with (
-        running_server(lmserve_properties(None), options.port) as (fp32, _),
-        running_server(lmserve_properties("int4"), options.port + 1) as (int4, _),
-        running_llamacpp(llamacpp_python, embedded_gguf(), options.port + 2, log_path) as peer,
-    ):
+    variants = options.variants.split(",")
+    with contextlib.ExitStack() as servers:
+        urls = {}
+        for index, variant in enumerate(variants):
+            server = running_server(lmserve_properties(variant), options.port + index)
+            urls[variant] = servers.enter_context(server)[0]
+        peer_port = options.port + len(variants)
+        peer = servers.enter_context(
+            running_llamacpp(llamacpp_python, embedded_gguf(), peer_port, log_path)
+        )
         for round_, requests in enumerate(planned, 1):
             label = f", round {round_}" if options.rounds > 1 else ""
-            runs[f"lmserve fp32{label}"] = measure(fp32, "lmserve", requests, None, 1)
-            runs[f"lmserve int4{label}"] = measure(int4, "lmserve", requests, None, 1)
+            for variant, url in urls.items():
+                runs[f"lmserve {variant}{label}"] = measure(url, "lmserve", requests, None, 1)
             runs[f"llama.cpp Q4_1{label}"] = measure(peer, "openai", requests, "m", 1, extra)
     title = "lmserve vs llama.cpp, SmolLM2-135M Q4_1 GGUF: one at a time, 32 in / 256 out"
     report.write(runs, options.out / "single-in32-out256", title)

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lmserve.rolling_batch.eos_tokens import eos_token_ids
-from lmserve.rolling_batch.model_loader import resolve_dtype
+from lmserve.rolling_batch.model_loader import load_hf_config, resolve_dtype
 from lmserve.rolling_batch.protocol import GenerationParams, TopLogprobs
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class HFEngine:
     @classmethod
     def load(cls, model_path: str, dtype: str, trust_remote_code: bool = False) -> HFEngine:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        refuse_quantized_checkpoint(load_hf_config(model_path, trust_remote_code))
         model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype="auto", trust_remote_code=trust_remote_code
         )
@@ -197,3 +198,16 @@ def _top_lists(values: torch.Tensor, ids: torch.Tensor, k: int) -> list[TopLogpr
         [(token, value) for token, value in zip(row_ids, row_values) if value != -math.inf]
         for row_ids, row_values in zip(ids[:, :k].tolist(), values[:, :k].tolist())
     ]
+
+
+def refuse_quantized_checkpoint(hf_config) -> None:
+    """HF transformers loads AWQ and GPTQ checkpoints only through their own GPU kernel
+    packages; the rolling batch serves them (rolling_batch/quantized_checkpoint.py)."""
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None:
+        return
+    method = (config if isinstance(config, dict) else config.to_dict()).get("quant_method")
+    raise ValueError(
+        f"the checkpoint is quantized with {method} (config.json quantization_config):"
+        " engine=Python cannot serve it; use engine=MPI with option.rolling_batch=auto"
+    )

@@ -252,3 +252,11 @@ def test_what_is_not_served_is_refused_by_name(base_dir, tmp_path, edit, quantiz
 def test_a_checkpoint_method_on_a_dense_checkpoint_is_refused(base_dir):
     with pytest.raises(ValueError, match=r"option.quantize=gptq.*no quantization_config"):
         load(base_dir, "gptq")
+
+
+def test_engine_python_refuses_a_quantized_checkpoint_by_name(base_dir, tmp_path):
+    from lmserve.handlers.hf_engine import HFEngine
+
+    save_quantized(base_dir, tmp_path, "awq-g64")
+    with pytest.raises(ValueError, match=r"quantized with awq.*engine=MPI"):
+        HFEngine.load(str(tmp_path), "fp32")
