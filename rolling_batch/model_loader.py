@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from lmserve.kernels.cpu_native import cpu_has_native_bf16
+
 from .gguf_convert import gguf_source
 from .gguf_weights import read_int4_linears, with_int4_linears
 from .layers.parallel import TensorParallelGroup
@@ -19,16 +21,6 @@ from .quantized_checkpoint import read_quantization, unpack_int4
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls run natively (788 vs 195 GFLOP/s fp32 measured on this
-    machine's EPYC, benchmarks/README.md); without them bf16 is emulated and slower than fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: torch.dtype | None, device: str) -> torch.dtype:

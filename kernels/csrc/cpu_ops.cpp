@@ -945,6 +945,82 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return out.to(x.scalar_type());
 }
 
+// torch's CPU int4 packing (_convert_weight_to_int4pack_for_cpu, inner_k_tiles 1) holds the
+// codes of 64 outputs at a time: for block b and input k, 32 bytes whose low nibbles are
+// outputs 64b + j and high nibbles 64b + 32 + j (read off the packing itself; the int4 tests
+// check it against the kernel). Scales and zeros [in / group, out, 2] in bf16, as that kernel
+// reads them: w = (code - 8) * scale + zero.
+constexpr int64_t kInt4Block = 64;
+
+at::Tensor int4_dequantize_bf16(const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                                int64_t group_size) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "packed must be torch's contiguous uint8 int4 packing [out, in / 2]");
+  const int64_t out_features = packed.size(0), in = packed.size(1) * 2;
+  TORCH_CHECK(out_features % kInt4Block == 0, "the packing holds outputs in blocks of 64");
+  TORCH_CHECK(group_size > 0 && in % group_size == 0, "in must be a multiple of group_size");
+  TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 &&
+                  scales_and_zeros.is_contiguous() && scales_and_zeros.dim() == 3 &&
+                  scales_and_zeros.size(0) == in / group_size &&
+                  scales_and_zeros.size(1) == out_features && scales_and_zeros.size(2) == 2,
+              "scales_and_zeros must be contiguous bf16 [in / group_size, out, 2]");
+  auto out = at::empty({in, out_features}, packed.options().dtype(at::kBFloat16));
+  const uint8_t* codes = packed.data_ptr<uint8_t>();
+  const at::BFloat16* sz = scales_and_zeros.data_ptr<at::BFloat16>();
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  const int64_t blocks = out_features / kInt4Block;
+  at::parallel_for(0, in, 16, [&](int64_t begin, int64_t end) {
+    float scale[kInt4Block], zero[kInt4Block];
+    for (int64_t k = begin; k < end; ++k) {
+      const at::BFloat16* group = sz + (k / group_size) * out_features * 2;
+      at::BFloat16* row = o + k * out_features;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t n0 = b * kInt4Block;
+        for (int64_t j = 0; j < kInt4Block; ++j) {
+          scale[j] = static_cast<float>(group[(n0 + j) * 2]);
+          zero[j] = static_cast<float>(group[(n0 + j) * 2 + 1]) - 8.f * scale[j];
+        }
+        const uint8_t* bytes = codes + (b * in + k) * (kInt4Block / 2);
+        for (int64_t j = 0; j < kInt4Block / 2; ++j) {
+          row[n0 + j] = static_cast<float>(bytes[j] & 15) * scale[j] + zero[j];
+          row[n0 + j + 32] = static_cast<float>(bytes[j] >> 4) * scale[j + 32] + zero[j + 32];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// int8 codes [out, in] with an fp32 scale per 32 inputs (int8_linear's layout) widened to
+// [out, in] in the dtype of `x` (the activations it will multiply): w = code * scale.
+at::Tensor int8_dequantize(const at::Tensor& codes, const at::Tensor& scales,
+                           const at::Tensor& x) {
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
+              "codes must be contiguous int8 [out, in]");
+  const int64_t out_features = codes.size(0), in = codes.size(1);
+  TORCH_CHECK(in % kInt8Group == 0, "in must be a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == out_features && scales.size(1) == in / kInt8Group,
+              "scales must be contiguous fp32 [out, in / 32]");
+  auto out = at::empty({out_features, in}, codes.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "int8_dequantize", [&] {
+    const int8_t* c = codes.data_ptr<int8_t>();
+    const float* sc = scales.data_ptr<float>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    // Groups are contiguous: group g's codes at 32 g, its scale at g.
+    at::parallel_for(0, out_features * (in / kInt8Group), 256, [&](int64_t begin, int64_t end) {
+      for (int64_t group = begin; group < end; ++group) {
+        const float scale = sc[group];
+        for (int64_t i = group * kInt8Group; i < (group + 1) * kInt8Group; ++i) {
+          o[i] = static_cast<scalar_t>(c[i] * scale);
+        }
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -955,5 +1031,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("int8_linear", &int8_linear);
+  m.def("int4_dequantize_bf16", &int4_dequantize_bf16);
+  m.def("int8_dequantize", &int8_dequantize);
   m.def("vector_width", [] { return static_cast<int64_t>(Vec::size()); });
 }

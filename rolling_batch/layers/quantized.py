@@ -8,21 +8,28 @@ That kernel is fast with bf16 activations only (fp32 and fp16 take a slow fallba
 and 2.6 ms against 60 us at one row for a 3072x576 weight here), so the input is rounded to
 bf16, the scales and zeros are bf16, and the output is widened back to the model's dtype.
 Measured against the packed fp32 oneDNN weight it replaces (benchmarks/README.md): ~5x faster
-at 1 row, equal at about 32 rows, 10-15% slower at 64-128 rows. A decode step reads every
-weight once, so a small step gains from reading about a sixth of fp32's bytes; no dense copy
-is kept for large steps, so a weight takes 0.5 bytes plus 4 bytes of scale and zero a group
-(0.625).
+at 1 row, equal at about 32 rows, 10-15% slower at 64-128 rows and 2.4x slower at 2,048. A
+decode step reads every weight once, so a small step gains from reading about a sixth of
+fp32's bytes. A big step is compute bound: where the CPU has native bf16 it widens the whole
+weight to bf16 (a C++ kernel, `int4_dequantize_bf16`, 0.4 ms for 3072 x 576; the weights are
+then rounded to bf16 too, a relative 2^-9) and multiplies with oneDNN's bf16 matmul
+(`dense_from_rows`). No dense copy is kept, so a weight takes 0.5 bytes plus 4 bytes of scale
+and zero a group (0.625).
 
 Int8: GGUF's Q8_0 layout, int8 codes with one fp32 scale a group of 32 (1.125 bytes a weight),
-for the LM head and the embedding it is tied to: the largest matrix of a small model, read
-whole by every decode step, and where an error lands on every logit directly. The C++
-kernel (`int8_linear`, kernels/csrc/cpu_ops.cpp) widens each group's codes in registers for 8
-rows of x at a time; against the packed fp32 weight of SmolLM2's LM head (49152 x 576, 2
-threads) it took 1.4 / 3.6 / 7.0 / 12.6 ms at 1 / 8 / 16 / 32 rows against 5.0 / 5.5 / 7.0 /
-10.6 ms. Without the C++ kernels, dense matmuls run on blocks dequantized in turn.
+for every linear with option.quantize=int8, and with int4 too for the LM head and the embedding
+it is tied to: the largest matrix of a small model, read whole by every decode step, and where
+an error lands on every logit directly. The C++ kernel (`int8_linear`, kernels/csrc/cpu_ops.cpp)
+widens each group's codes in registers for 8 rows of x at a time; against the packed fp32
+weight of SmolLM2's LM head (49152 x 576, 2 threads) it took 1.4 / 3.6 / 7.0 / 12.6 ms at 1 /
+8 / 16 / 32 rows against 5.0 / 5.5 / 7.0 / 10.6 ms. Big steps widen the weight to the
+activations' dtype and multiply it densely (in fp32, exactly the dequantized weight). Without
+the C++ kernels, dense matmuls run on blocks dequantized in turn.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -30,9 +37,13 @@ from lmserve.kernels import cpu_native
 
 GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 block, and what option.quantize makes
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes (checkpoints bring theirs)
-_ROW_MULTIPLE = 16  # the packing wants output features in multiples of 16
+# The packing wants output features in multiples of 16, and lays out blocks of 64 outputs
+# (a partial last block differently), which int4_dequantize_bf16 reads: whole blocks only.
+_ROW_MULTIPLE = 64
 _SCALE_DTYPE = torch.bfloat16  # the kernel reads scales and zeros in the activations' dtype
 _INT8_BLOCK = 4096  # output features dequantized at once (9 MiB of fp32 at 576 inputs)
+_DENSE_BF16_FROM_ROWS = 32  # see dense_from_rows
+_DENSE_FP32_FROM_ROWS = 128
 
 
 class Int4Weight:
@@ -65,9 +76,15 @@ class Int4Weight:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self.packed, self.group_size, self.scales_and_zeros
-        )
+        native = cpu_native.ops_for(x) if x.shape[0] >= dense_from_rows(torch.bfloat16) else None
+        if native is not None:
+            # A big step: the whole weight widened to bf16 for oneDNN's bf16 matmul.
+            dense = native.int4_dequantize_bf16(self.packed, self.scales_and_zeros, self.group_size)
+            out = torch.matmul(x.to(torch.bfloat16), dense)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.packed, self.group_size, self.scales_and_zeros
+            )
         out = out[:, : self.out_features].to(x.dtype)
         return out if bias is None else out + bias
 
@@ -95,7 +112,10 @@ class Int8Weight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         native = cpu_native.ops_for(x)
-        if native is not None:
+        if native is not None and x.shape[0] >= dense_from_rows(x.dtype):
+            # A big step: the weight widened to the activations' dtype, one dense matmul.
+            out = torch.nn.functional.linear(x, native.int8_dequantize(self.codes, self.scales, x))
+        elif native is not None:
             out = native.int8_linear(x, self.codes, self.scales)
         else:
             blocks = []
@@ -105,6 +125,23 @@ class Int8Weight:
                 blocks.append(torch.nn.functional.linear(x, weight.to(x.dtype)))
             out = torch.cat(blocks, dim=-1)
         return out if bias is None else out + bias
+
+
+def dense_from_rows(dtype: torch.dtype) -> int | float:
+    """Steps of at least this many rows widen quantized weights to `dtype` (a C++ kernel) and
+    multiply them densely: int4 in bf16 (its kernel's activations), int8 in the model's dtype.
+    Measured (3072 x 576, 2 threads, AMX Xeon; ms at 16 / 32 / 256 / 2,048 rows):
+    - int4 widened to bf16 (0.42 ms) + bf16 matmul 0.73 / 0.62 / 0.91 / 3.3 against the int4
+      kernel's 0.55 / 0.85 / 5.5 / 52 (fp32's packed weight: 0.33 / 0.43 / 3.2 / 22);
+    - int8 widened to fp32 (0.46 ms) + fp32 matmul 0.64 / 0.82 / 3.5 / 21 against the int8
+      kernel's 0.32 / 0.73 / 5.5 / 45 (level at 64 rows); widened to bf16 (0.18 ms) 0.39 /
+      0.40 / 0.81 / 3.2.
+    Where bf16 is emulated (no AVX512-BF16 or AMX), never in bf16."""
+    if dtype == torch.float32:
+        return _DENSE_FP32_FROM_ROWS
+    if dtype == torch.bfloat16 and cpu_native.cpu_has_native_bf16():
+        return _DENSE_BF16_FROM_ROWS
+    return math.inf
 
 
 def can_quantize(weight: torch.Tensor) -> bool:

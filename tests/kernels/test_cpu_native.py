@@ -12,6 +12,7 @@ from lmserve.kernels import cpu_native
 from lmserve.kernels.kv_store import store_kv_reference
 from lmserve.kernels.paged_attention import paged_attention_reference
 from lmserve.rolling_batch.layers.norm_and_rotary import RMSNorm, StepRope
+from lmserve.rolling_batch.layers.quantized import Int4Weight, dequantize_int4
 
 from ..conftest import TEST_CACHE_DIR
 from .paged_cases import make_case, share_leading_blocks
@@ -194,11 +195,54 @@ def test_int8_linear_equals_the_dequantized_matmul(native, dtype, rows):
     close(got, x.float() @ weight.T, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_dequantize_widens_to_the_activations_dtype(native, dtype):
+    generator = torch.Generator().manual_seed(3)
+    codes = torch.randint(-127, 128, (200, 96), generator=generator, dtype=torch.int8)
+    scales = torch.rand(200, 3, generator=generator) / 100
+    got = native.int8_dequantize(codes, scales, torch.zeros(1, 96, dtype=dtype))
+    expected = codes.float() * scales.repeat_interleave(32, dim=1)
+    assert got.dtype == dtype and torch.equal(got, expected.to(dtype))
+
+
 def test_int8_linear_refuses_inputs_no_multiple_of_32(native):
     with pytest.raises(RuntimeError, match="multiple of 32"):
         native.int8_linear(
             torch.randn(1, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8, 1)
         )
+
+
+@pytest.mark.parametrize(("out_features", "group_size"), [(64, 32), (200, 64), (128, 128)])
+def test_int4_dequantize_bf16_widens_torchs_int4_packing(native, out_features, group_size):
+    """The codes in torch's CPU int4 packing (outputs padded to whole blocks of 64: 200 -> 256),
+    widened to bf16 [in, out]: the weight the int4 kernel multiplies by, rounded to bf16."""
+    generator = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, 256, generator=generator)
+    codes, scales, zeros = quantize_int4_groups(weight, group_size)
+    int4 = Int4Weight(codes, scales, zeros, group_size=group_size)
+    got = native.int4_dequantize_bf16(int4.packed, int4.scales_and_zeros, group_size)
+    padded = int4.packed.shape[0]
+    assert got.dtype == torch.bfloat16 and got.shape == (256, padded)
+    expected = dequantize_int4(codes, scales, zeros, group_size)
+    close(got[:, :out_features], expected.T.bfloat16(), torch.bfloat16)
+    assert not got[:, out_features:].any()  # padding rows: scale 0, zero 0
+    # The int4 kernel multiplies by the same weight (its products then round to bf16).
+    x = torch.eye(256, dtype=torch.bfloat16)
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, int4.packed, group_size, int4.scales_and_zeros
+    )
+    assert torch.equal(kernel, got)
+
+
+def quantize_int4_groups(weight: torch.Tensor, group_size: int):
+    """quantize_int4's rounding over groups of `group_size` (it makes groups of 32)."""
+    out_features, in_features = weight.shape
+    groups = weight.reshape(out_features, -1, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = ((high - low) / 15).bfloat16().float()
+    zeros = (low + 8 * scales).bfloat16().float()
+    codes = ((groups - zeros[..., None]) / scales[..., None] + 8).round().clamp(0, 15)
+    return codes.reshape(out_features, in_features).to(torch.uint8), scales, zeros
 
 
 def test_isa_is_read_from_cpu_flags():

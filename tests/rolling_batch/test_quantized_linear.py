@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lmserve.kernels import cpu_native
+from lmserve.rolling_batch.layers import quantized
 from lmserve.rolling_batch.layers.linear import RowLinear
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
 from lmserve.rolling_batch.layers.quantized import (
@@ -35,8 +36,8 @@ def test_codes_are_within_half_a_step_of_each_weight():
     assert float(error[3, :GROUP_SIZE].max()) == 0.0
 
 
-@pytest.mark.parametrize("rows", [0, 1, 7, 64])
-@pytest.mark.parametrize("out_features", [40, 64])  # 40: padded to the kernel's 16-row tiles
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])  # 64, 300: widened where bf16 is native
+@pytest.mark.parametrize("out_features", [40, 64])  # 40: padded to the packing's 64-row blocks
 def test_int4_linear_equals_bf16_arithmetic_on_the_dequantized_weight(rows, out_features):
     generator = torch.Generator().manual_seed(rows)
     layer = RowLinear(0, 96, out_features, TensorParallelGroup(), bias=True)
@@ -50,9 +51,12 @@ def test_int4_linear_equals_bf16_arithmetic_on_the_dequantized_weight(rows, out_
 
     assert isinstance(layer.packed, Int4Weight) and layer.weight.numel() == 0
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    if rows >= quantized.dense_from_rows(torch.bfloat16):  # the weight widened to bf16
+        dequantized = dequantized.bfloat16().float()
     product = torch.nn.functional.linear(x.bfloat16().float(), dequantized)
     expected = product.bfloat16().float() + layer.bias
-    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+    # bf16 outputs: a rounding step (2^-8 of the value) apart where the sums' order differs.
+    torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-2)
 
 
 def test_int4_weights_take_five_eighths_of_a_byte_each():
@@ -82,7 +86,7 @@ def test_int8_codes_are_within_half_a_step_and_the_largest_is_exact():
     assert float(dequantize_int8(codes, scales)[2, 32:].abs().max()) == 0.0
 
 
-@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("rows", [1, 5, 33, 200])  # 200: widened to fp32, one dense matmul
 @pytest.mark.parametrize("kernels", ["native", "reference"])
 def test_int8_weight_multiplies_and_looks_up_its_dequantized_rows(rows, kernels, monkeypatch):
     if kernels == "reference":  # no C++ kernels: dense matmuls on dequantized blocks
@@ -91,10 +95,25 @@ def test_int8_weight_multiplies_and_looks_up_its_dequantized_rows(rows, kernels,
         pytest.skip("no C++ CPU kernels on this machine")
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(300, 64, generator=generator)
-    quantized = Int8Weight.quantize(weight)
+    int8 = Int8Weight.quantize(weight)
     dequantized = dequantize_int8(*quantize_int8(weight))
     x = torch.randn(rows, 64, generator=generator)
-    torch.testing.assert_close(quantized(x), x @ dequantized.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(int8(x), x @ dequantized.T, rtol=1e-5, atol=1e-5)
     ids = torch.tensor([0, 299, 7, 7])
-    torch.testing.assert_close(quantized.rows(ids, torch.float32), dequantized[ids])
-    assert quantized.nbytes / weight.numel() == pytest.approx(1.125)
+    torch.testing.assert_close(int8.rows(ids, torch.float32), dequantized[ids])
+    assert int8.nbytes / weight.numel() == pytest.approx(1.125)
+
+
+@pytest.mark.parametrize("rows", [5, 64])  # 64: widened to bf16 where bf16 is native
+def test_int8_weight_with_bf16_activations_multiplies_in_bf16(rows):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 64, generator=generator)
+    int8 = Int8Weight.quantize(weight)
+    x = torch.randn(rows, 64, generator=generator).bfloat16()
+    got = int8(x)
+    assert got.dtype == torch.bfloat16
+    dequantized = dequantize_int8(*quantize_int8(weight))
+    if rows >= quantized.dense_from_rows(torch.bfloat16):
+        dequantized = dequantized.bfloat16().float()  # the weight itself rounded to bf16
+    expected = (x.float() @ dequantized.T).bfloat16()
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=1e-2)
