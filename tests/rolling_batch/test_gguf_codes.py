@@ -7,6 +7,8 @@ every Q8_0 code and scale of the embedding exactly (fp32 scales)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -93,3 +95,42 @@ def test_linears_read_from_the_file_are_its_q4_1_weights_in_hf_row_order(smollm2
             weight = (codes.float() - 8) * expand(scales) + expand(zeros)
             # d q + m computed as (q - 8) d + (m + 8d): fp32 roundings of the sums only.
             assert bool(((weight - hf).abs() <= expand(scales) * 2e-6).all())
+
+
+def test_q4_0_and_q4_1_linears_of_a_written_file_come_back_as_its_weights(tmp_path):
+    """A GGUF written here with gguf's own writer and quantizer: its Q4_0 and Q4_1 linears
+    read back as the weights gguf's own dequantizer gives; gate and up, one matmul in the
+    native model, stay with the converted weights when one of them is of another type."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    types = {
+        "ffn_down": GGMLQuantizationType.Q4_0,
+        "attn_output": GGMLQuantizationType.Q4_1,
+        "ffn_gate": GGMLQuantizationType.Q4_0,
+        "ffn_up": GGMLQuantizationType.Q8_0,
+    }
+    generator = np.random.default_rng(0)
+    packed = {
+        kind: quants.quantize(generator.standard_normal((64, 96)).astype(np.float32), qtype)
+        for kind, qtype in types.items()
+    }
+    path = tmp_path / "written.gguf"
+    writer = GGUFWriter(str(path), arch="llama")
+    for kind, data in packed.items():
+        writer.add_tensor(f"blk.0.{kind}.weight", data, raw_dtype=types[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2)
+    linears = read_int4_linears(path, config)
+
+    hf_names = {"ffn_down": "mlp.down_proj", "attn_output": "self_attn.o_proj"}
+    assert sorted(linears) == sorted(f"model.layers.0.{name}" for name in hf_names.values())
+    for kind, name in hf_names.items():
+        codes, scales, zeros = linears[f"model.layers.0.{name}"]
+        expected = torch.from_numpy(quants.dequantize(packed[kind], types[kind]))
+        expand = lambda t: t.repeat_interleave(32, dim=1)  # noqa: E731
+        weight = (codes.float() - 8) * expand(scales) + expand(zeros)
+        assert bool(((weight - expected).abs() <= expand(scales).abs() * 2e-6).all())
