@@ -1,14 +1,16 @@
-"""A GGUF's 4-bit linears (Q4_0, Q4_1) read as int4 codes, scales and zeros, as the file has them.
+"""A GGUF's 4-bit linears (Q4_0, Q4_1, Q4_K) read as int4 codes, scales and zeros, as the file
+has them.
 
 For option.quantize=int4 on a model converted from GGUF (gguf_convert.py records which file),
-the decoder linears stored as Q4_0 or Q4_1 load from the file itself rather than being quantized
-again from the converted fp32 weights. A block holds 32 weights of a row: an fp16 scale d (Q4_1
-also an fp16 min m) and 16 bytes of codes, weight j in the low nibble of byte j and weight
-j + 16 in the high one; Q4_1 means w = d q + m, Q4_0 w = d (q - 8). The int4 linears compute
-w = (q - 8) scale + zero, so scale = d and zero = m + 8d (Q4_1) or 0 (Q4_0); the kernel rounds
-both to bf16, once. llama.cpp stores the Q and K rows permuted for its rotary; the rows move
-back into HF's order with their blocks, which changes no value. Other tensor types (Q8_0, F32,
-the K-quants) come from the converted checkpoint as before.
+the decoder linears stored as Q4_0, Q4_1 or Q4_K load from the file itself rather than being
+quantized again from the converted fp32 weights. A Q4_0/Q4_1 block holds 32 weights of a row:
+an fp16 scale d (Q4_1 also an fp16 min m) and 16 bytes of codes, weight j in the low nibble of
+byte j and weight j + 16 in the high one; Q4_1 means w = d q + m, Q4_0 w = d (q - 8). The int4
+linears compute w = (q - 8) scale + zero, so scale = d and zero = m + 8d (Q4_1) or 0 (Q4_0).
+Q4_K's groups of 32 (in blocks of 256, `_unpack_q4_k`) map the same way. The kernel rounds
+scale and zero to bf16, once: the only rounding on the way. llama.cpp stores the Q and K rows
+permuted for its rotary; the rows move back into HF's order with their blocks, which changes no
+value. Other tensor types (Q8_0, Q6_K, F32, ...) come from the converted checkpoint as before.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ _HF_LINEARS = {
 }
 # Linears the native model computes as one matmul: kept as codes together or not at all.
 _FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 _NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 Int4Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -41,7 +43,7 @@ Int4Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def read_int4_linears(gguf: Path, hf_config) -> dict[str, Int4Parts]:
     """{HF linear name (`model.layers.0.self_attn.q_proj`): (codes [out, in] uint8, scales,
-    zeros [out, in / 32] fp32)} for the file's Q4_0 and Q4_1 decoder linears."""
+    zeros [out, in / 32] fp32)} for the file's Q4_0, Q4_1 and Q4_K decoder linears."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf))
@@ -71,6 +73,8 @@ def _unpack_q4(tensor) -> Int4Parts:
     kind = tensor.tensor_type.name
     rows = np.asarray(tensor.data)  # [out, blocks x block bytes]
     blocks = rows.reshape(rows.shape[0], -1, _BLOCK_BYTES[kind])
+    if kind == "Q4_K":
+        return _unpack_q4_k(blocks)
     scales = _fp16(blocks[..., 0:2])
     if kind == "Q4_1":
         zeros = _fp16(blocks[..., 2:4]) + 8 * scales
@@ -79,6 +83,30 @@ def _unpack_q4(tensor) -> Int4Parts:
     nibbles = blocks[..., _BLOCK_BYTES[kind] - GROUP_SIZE // 2 :]
     codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows.shape[0], -1)
     return torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros)
+
+
+def _unpack_q4_k(blocks: np.ndarray) -> Int4Parts:
+    """Q4_K: 256 weights a block, fp16 d and dmin, then 12 bytes holding eight 6-bit scales s
+    and mins m (one per 32 weights), then 128 bytes of codes: bytes 32i..32i+31 hold weights
+    64i + j in their low nibbles and 64i + 32 + j in their high ones; w = d s q - dmin m. So a
+    group of 32 has scale d s and zero 8 d s - dmin m."""
+    out_features = blocks.shape[0]
+    d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])  # [out, blocks]
+    packed = blocks[..., 4:16].astype(np.int32)  # [out, blocks, 12]
+    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    # Groups 0-3 keep 6 bits in bytes 0-3 (scale) and 4-7 (min); groups 4-7 take 4 bits from
+    # bytes 8-11 and their top 2 bits from the top bits of bytes 0-3 / 4-7.
+    group_scales = np.concatenate([low & 63, (extra & 15) | ((low >> 6) << 4)], axis=-1)
+    group_mins = np.concatenate([high & 63, (extra >> 4) | ((high >> 6) << 4)], axis=-1)
+    scales = d[..., None] * group_scales  # [out, blocks, 8]
+    zeros = 8 * scales - dmin[..., None] * group_mins
+    nibbles = blocks[..., 16:].reshape(out_features, -1, 4, 1, 32)
+    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-2)  # [out, blocks, 4, 2, 32]
+    return (
+        torch.from_numpy(codes.reshape(out_features, -1)),
+        torch.from_numpy(scales.reshape(out_features, -1).astype(np.float32)),
+        torch.from_numpy(zeros.reshape(out_features, -1).astype(np.float32)),
+    )
 
 
 def _fp16(pairs: np.ndarray) -> np.ndarray:
