@@ -16,7 +16,7 @@ from .gguf_weights import read_int4_linears, with_int4_linears
 from .layers.parallel import TensorParallelGroup
 from .layers.quantized import GROUP_SIZE, Int4Weight, Int8Weight
 from .models import model_class_for
-from .quantized_checkpoint import read_quantization, unpack_int4
+from .quantized_checkpoint import quantized_linears, read_quantization, unpack_int4
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,10 @@ def load_hf_config(model_path: str | Path, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
 
 
-def iter_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(
+    model_path: str | Path, names_only: bool = False
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(name, tensor) for every tensor of the checkpoint; `names_only`: (name, None), cheap."""
     from safetensors import safe_open
 
     files = sorted(Path(model_path).glob("*.safetensors"))
@@ -48,7 +51,7 @@ def iter_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]
     for file in files:
         with safe_open(str(file), framework="pt") as weights:
             for name in weights.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, weights.get_tensor(name)
+                yield name, None if names_only else weights.get_tensor(name)
 
 
 @contextlib.contextmanager
@@ -82,7 +85,9 @@ def load_model(
         model = model_class(hf_config, group, max_model_len)
     weights = iter_checkpoint(model_path)
     if checkpoint is not None:
-        model.expect_int4(checkpoint.kernel_group_size)
+        # Checkpoints may leave some linears dense (`modules_to_not_convert`).
+        names = (name for name, _ in iter_checkpoint(model_path, names_only=True))
+        model.expect_int4(checkpoint.kernel_group_size, quantized_linears(names))
         weights = unpack_int4(weights, checkpoint)
     elif quantize == "int4" and (gguf := gguf_source(model_path)) is not None:
         file_linears = read_int4_linears(gguf, hf_config)

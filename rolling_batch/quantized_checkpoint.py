@@ -19,7 +19,7 @@ other int4 scale does. Nothing is dequantized on the way.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +96,11 @@ def _checked_format(method: str, config: dict) -> QuantizedCheckpoint:
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise refuse(f"GPTQ checkpoint_format={checkpoint_format}")
     return QuantizedCheckpoint(method, group_size, 1 if checkpoint_format == "gptq" else 0)
+
+
+def quantized_linears(names: Iterable[str]) -> set[str]:
+    """The linears (`model.layers.0.self_attn.q_proj`) a checkpoint holds quantized."""
+    return {name.removesuffix(".qweight") for name in names if name.endswith(".qweight")}
 
 
 def unpack_int4(

@@ -105,15 +105,17 @@ def base_dir(smollm2_dir, tmp_path_factory) -> Path:
     return save_tiny_llama(folder, smollm2_dir, intermediate_size=256, hidden_size=128)
 
 
-def save_quantized(base_dir: Path, folder: Path, name: str, tamper=None) -> dict:
-    """The base model with its decoder linears in checkpoint `name`'s format, saved into
-    `folder`; returns each linear's (codes, zero points, scales) for the references."""
+def save_quantized(
+    base_dir: Path, folder: Path, name: str, tamper=None, dense: tuple[str, ...] = ()
+) -> dict:
+    """The base model with its decoder linears (but those in `dense`) in checkpoint `name`'s
+    format, saved into `folder`; returns each linear's (codes, zero points, scales)."""
     config, zero_offset = CHECKPOINTS[name]
     group_size = config["group_size"]
     tensors, parts = {}, {}
     for key, tensor in load_file(base_dir / "model.safetensors").items():
         prefix = key.removesuffix(".weight")
-        if prefix.rsplit(".", 1)[-1] not in DECODER_LINEARS:
+        if prefix.rsplit(".", 1)[-1] not in DECODER_LINEARS or prefix in dense:
             tensors[key] = tensor
             continue
         lowest_zero = 1 if zero_offset else 0  # the original GPTQ format stores z - 1 >= 0
@@ -194,6 +196,18 @@ def test_greedy_tokens_match_hf_at_one_and_two_ranks(name, ranks, base_dir, tmp_
     for result, ids in zip(results, prompt_ids):
         expected, logits = hf_greedy_alone(reference, ids, 16)
         assert_same_or_near_tie(result.token_ids, expected, logits, near_tie=1e-3)
+
+
+def test_linears_the_checkpoint_leaves_dense_stay_dense(base_dir, tmp_path):
+    """AWQ and GPTQ configs may name modules not to convert: those come as plain weights."""
+    dense = ("model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj")
+    parts = save_quantized(base_dir, tmp_path, "gptq-g32", dense=dense)
+    assert not set(dense) & set(parts)
+    options = RuntimeOptions(dtype="fp32", max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+    runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
+    steps = run_steps(runner, runner.block_size)
+    reference = hf_reference(base_dir, parts, 32, kernel_roundings=True)
+    assert worst_relative_error(steps, reference) < 1e-5
 
 
 class TwoRanks(TensorParallelGroup):
