@@ -92,7 +92,8 @@ def _checked_format(method: str, config: dict) -> QuantizedCheckpoint:
         if group_size == -1:
             raise refuse("AWQ with group_size=-1")
         return QuantizedCheckpoint(method, group_size, 0)
-    checkpoint_format = str(config.get("checkpoint_format", "gptq")).lower()
+    # transformers' GPTQConfig says `checkpoint_format`; GPTQModel's configs say `format`.
+    checkpoint_format = str(config.get("checkpoint_format", config.get("format", "gptq"))).lower()
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise refuse(f"GPTQ checkpoint_format={checkpoint_format}")
     return QuantizedCheckpoint(method, group_size, 1 if checkpoint_format == "gptq" else 0)

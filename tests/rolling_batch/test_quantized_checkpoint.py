@@ -95,6 +95,7 @@ CHECKPOINTS = {
         {"quant_method": "gptq", "bits": 4, "group_size": -1, "checkpoint_format": "gptq_v2"},
         0,
     ),
+    "gptq_v2-g64": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "format": "gptq_v2"}, 0),
 }
 
 
