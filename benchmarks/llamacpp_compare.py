@@ -6,10 +6,13 @@ one command:
 
 llama.cpp is a peer to compare with, never a dependency: install its Python server into a
 separate venv first (`python -m venv VENV && VENV/bin/pip install 'llama-cpp-python[server]'`,
-which builds llama.cpp from source for this CPU in a few minutes). Its OpenAI server ignores
+which builds llama.cpp from source for this CPU in a few minutes; where that native build
+crashes, as on an AMX Xeon here, add CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON
+-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF"). Its OpenAI server ignores
 `ignore_eos`, so its requests carry a logit_bias that forbids the EOS tokens instead: every
 request generates exactly its planned length on every server. lmserve runs one server per
-`--variants` entry (fp32 and `option.quantize=int4` unless told); results go to
+`--variants` entry (fp32 and `option.quantize=int4` unless told), and with `--vllm-python`
+vLLM joins on the converted weights (bf16 unless told); results go to
 benchmarks/results/llamacpp/<workload>/.
 """
 
@@ -30,6 +33,7 @@ from lmserve.properties.config import default_cache_dir
 from . import report
 from .bench_cli import measure
 from .serving import running_server, wait_healthy
+from .vllm_compare import VLLM_DTYPES, check_vllm, running_vllm
 from .workload import Lengths, PromptBuilder, plan
 
 HERE = Path(__file__).resolve().parent
@@ -98,6 +102,12 @@ def main() -> None:
         default="fp32,int4",
         help="lmserve servers, comma-separated: fp32, bf16, int8, int4, int4-bf16, ...",
     )
+    parser.add_argument(
+        "--vllm-python",
+        help="python of vLLM's venv (benchmarks/vllm_compare.py): adds vLLM on the converted"
+        " weights to the runs",
+    )
+    parser.add_argument("--vllm-dtype", choices=sorted(VLLM_DTYPES), default="bf16")
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs per server")
     parser.add_argument("--num-requests", type=int, default=8)
     options = parser.parse_args()
@@ -123,14 +133,27 @@ def main() -> None:
             server = running_server(lmserve_properties(variant), options.port + index)
             urls[variant] = servers.enter_context(server)[0]
         peer_port = options.port + len(variants)
-        peer = servers.enter_context(
-            running_llamacpp(llamacpp_python, embedded_gguf(), peer_port, log_path)
-        )
+        peers = {
+            "llama.cpp Q4_1": (
+                servers.enter_context(
+                    running_llamacpp(llamacpp_python, embedded_gguf(), peer_port, log_path)
+                ),
+                "m",
+            )
+        }
+        if options.vllm_python:
+            check_vllm(options.vllm_python)
+            vllm_log = Path(tempfile.gettempdir()) / "lmserve-bench-llamacpp-vllm.log"
+            vllm = running_vllm(
+                options.vllm_python, model_dir, options.vllm_dtype, peer_port + 1, vllm_log
+            )
+            peers[f"vLLM {options.vllm_dtype}"] = (servers.enter_context(vllm), "smollm2")
         for round_, requests in enumerate(planned, 1):
             label = f", round {round_}" if options.rounds > 1 else ""
             for variant, url in urls.items():
                 runs[f"lmserve {variant}{label}"] = measure(url, "lmserve", requests, None, 1)
-            runs[f"llama.cpp Q4_1{label}"] = measure(peer, "openai", requests, "m", 1, extra)
+            for name, (url, model) in peers.items():
+                runs[f"{name}{label}"] = measure(url, "openai", requests, model, 1, extra)
     title = "lmserve vs llama.cpp, SmolLM2-135M Q4_1 GGUF: one at a time, 32 in / 256 out"
     report.write(runs, options.out / "single-in32-out256", title)
     print(f"\n{title}\n{report.markdown(runs)}")
