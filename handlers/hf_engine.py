@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from lmserve.rolling_batch.eos_tokens import eos_token_ids
 from lmserve.rolling_batch.model_loader import load_hf_config, resolve_dtype
 from lmserve.rolling_batch.protocol import GenerationParams, TopLogprobs
+from lmserve.rolling_batch.quantized_checkpoint import quantization_config
 
 log = logging.getLogger(__name__)
 
@@ -203,10 +204,9 @@ def _top_lists(values: torch.Tensor, ids: torch.Tensor, k: int) -> list[TopLogpr
 def refuse_quantized_checkpoint(hf_config) -> None:
     """HF transformers loads AWQ and GPTQ checkpoints only through their own GPU kernel
     packages; the rolling batch serves them (rolling_batch/quantized_checkpoint.py)."""
-    config = getattr(hf_config, "quantization_config", None)
-    if config is None:
+    method = quantization_config(hf_config).get("quant_method")
+    if method is None:
         return
-    method = (config if isinstance(config, dict) else config.to_dict()).get("quant_method")
     raise ValueError(
         f"the checkpoint is quantized with {method} (config.json quantization_config):"
         " engine=Python cannot serve it; use engine=MPI with option.rolling_batch=auto"

@@ -39,10 +39,19 @@ def load_hf_config(model_path: str | Path, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
 
 
-def iter_checkpoint(
-    model_path: str | Path, names_only: bool = False
-) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """(name, tensor) for every tensor of the checkpoint; `names_only`: (name, None), cheap."""
+def iter_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for weights in _open_checkpoint(model_path):
+        for name in weights.keys():  # noqa: SIM118 - safe_open is not a dict
+            yield name, weights.get_tensor(name)
+
+
+def checkpoint_names(model_path: str | Path) -> Iterator[str]:
+    """The checkpoint's tensor names, read from the files' headers only."""
+    for weights in _open_checkpoint(model_path):
+        yield from weights.keys()
+
+
+def _open_checkpoint(model_path: str | Path):
     from safetensors import safe_open
 
     files = sorted(Path(model_path).glob("*.safetensors"))
@@ -50,8 +59,7 @@ def iter_checkpoint(
         raise ValueError(f"{model_path}: no *.safetensors weights (the native runtime reads those)")
     for file in files:
         with safe_open(str(file), framework="pt") as weights:
-            for name in weights.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, None if names_only else weights.get_tensor(name)
+            yield weights
 
 
 @contextlib.contextmanager
@@ -86,8 +94,8 @@ def load_model(
     weights = iter_checkpoint(model_path)
     if checkpoint is not None:
         # Checkpoints may leave some linears dense (`modules_to_not_convert`).
-        names = (name for name, _ in iter_checkpoint(model_path, names_only=True))
-        model.expect_int4(checkpoint.kernel_group_size, quantized_linears(names))
+        quantized = quantized_linears(checkpoint_names(model_path))
+        model.expect_int4(checkpoint.kernel_group_size, quantized)
         weights = unpack_int4(weights, checkpoint)
     elif quantize == "int4" and (gguf := gguf_source(model_path)) is not None:
         file_linears = read_int4_linears(gguf, hf_config)

@@ -48,13 +48,19 @@ class QuantizedCheckpoint:
         return next(size for size in KERNEL_GROUP_SIZES if self.group_size % size == 0)
 
 
-def read_quantization(hf_config, requested: str | None) -> QuantizedCheckpoint | None:
-    """The checkpoint's int4 format from config.json's `quantization_config`, or None for a
-    dense checkpoint; checked against `option.quantize` (`requested`)."""
+def quantization_config(hf_config) -> dict:
+    """config.json's `quantization_config` ({} for a dense checkpoint)."""
     config = getattr(hf_config, "quantization_config", None)
     if config is not None and not isinstance(config, dict):
         config = config.to_dict()
-    method = (config or {}).get("quant_method")
+    return config or {}
+
+
+def read_quantization(hf_config, requested: str | None) -> QuantizedCheckpoint | None:
+    """The checkpoint's int4 format from config.json's `quantization_config`, or None for a
+    dense checkpoint; checked against `option.quantize` (`requested`)."""
+    config = quantization_config(hf_config)
+    method = config.get("quant_method")
     if method is None:
         if requested in CHECKPOINT_METHODS:
             raise ValueError(

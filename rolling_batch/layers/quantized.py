@@ -148,12 +148,14 @@ def can_quantize(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.shape[1] % GROUP_SIZE == 0
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes [out, in] in 0..15, scales, zeros [out, in / GROUP_SIZE]) for a weight, rounding
+def quantize_int4(
+    weight: torch.Tensor, group_size: int = GROUP_SIZE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [out, in] in 0..15, scales, zeros [out, in / group_size]) for a weight, rounding
     to nearest: a group's min and max span codes 0..15 (what GGUF's Q4_1 stores). The scales
     and zeros are rounded to bf16 first and the codes chosen for the rounded ones."""
     out_features, in_features = weight.shape
-    groups = weight.float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scales = ((high - low) / 15).to(_SCALE_DTYPE).float()
     zeros = (low + 8 * scales).to(_SCALE_DTYPE).float()  # (q - 8) * s + zero == q * s + low

@@ -12,7 +12,7 @@ from lmserve.kernels import cpu_native
 from lmserve.kernels.kv_store import store_kv_reference
 from lmserve.kernels.paged_attention import paged_attention_reference
 from lmserve.rolling_batch.layers.norm_and_rotary import RMSNorm, StepRope
-from lmserve.rolling_batch.layers.quantized import Int4Weight, dequantize_int4
+from lmserve.rolling_batch.layers.quantized import Int4Weight, dequantize_int4, quantize_int4
 
 from ..conftest import TEST_CACHE_DIR
 from .paged_cases import make_case, share_leading_blocks
@@ -218,7 +218,7 @@ def test_int4_dequantize_bf16_widens_torchs_int4_packing(native, out_features, g
     widened to bf16 [in, out]: the weight the int4 kernel multiplies by, rounded to bf16."""
     generator = torch.Generator().manual_seed(out_features)
     weight = torch.randn(out_features, 256, generator=generator)
-    codes, scales, zeros = quantize_int4_groups(weight, group_size)
+    codes, scales, zeros = quantize_int4(weight, group_size)
     int4 = Int4Weight(codes, scales, zeros, group_size=group_size)
     got = native.int4_dequantize_bf16(int4.packed, int4.scales_and_zeros, group_size)
     padded = int4.packed.shape[0]
@@ -232,17 +232,6 @@ def test_int4_dequantize_bf16_widens_torchs_int4_packing(native, out_features, g
         x, int4.packed, group_size, int4.scales_and_zeros
     )
     assert torch.equal(kernel, got)
-
-
-def quantize_int4_groups(weight: torch.Tensor, group_size: int):
-    """quantize_int4's rounding over groups of `group_size` (it makes groups of 32)."""
-    out_features, in_features = weight.shape
-    groups = weight.reshape(out_features, -1, group_size)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scales = ((high - low) / 15).bfloat16().float()
-    zeros = (low + 8 * scales).bfloat16().float()
-    codes = ((groups - zeros[..., None]) / scales[..., None] + 8).round().clamp(0, 15)
-    return codes.reshape(out_features, in_features).to(torch.uint8), scales, zeros
 
 
 def test_isa_is_read_from_cpu_flags():
