@@ -48,14 +48,15 @@ def is_chat(payload: Any) -> bool:
     return isinstance(payload, dict) and "messages" in payload
 
 
-def parse_chat(payload: dict[str, Any]) -> ChatRequest:
+def parse_chat(payload: dict[str, Any], served_model: str | None = None) -> ChatRequest:
+    """`served_model`: read_openai_sampling's."""
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "expected a non-empty list of {role, content} objects")
     parsed = [_parse_message(index, message) for index, message in enumerate(messages)]
     reader = _ParameterReader(payload, prefix="")
     max_tokens = reader.integer("max_completion_tokens", None, minimum=1)
-    sampling = read_openai_sampling(reader, default_max_tokens=max_tokens or 30)
+    sampling = read_openai_sampling(reader, max_tokens or 30, served_model)
     logprobs = reader.boolean("logprobs", False)
     top_logprobs = reader.integer("top_logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not logprobs:
@@ -93,10 +94,13 @@ class OpenAISampling:
     n: int = 1
 
 
-def read_openai_sampling(reader: _ParameterReader, default_max_tokens: int) -> OpenAISampling:
+def read_openai_sampling(
+    reader: _ParameterReader, default_max_tokens: int, served_model: str | None = None
+) -> OpenAISampling:
     """The parameters chat and completions share, with OpenAI's names and defaults
     (`temperature` 1.0 samples, 0 is greedy; `n` choices). What lmserve cannot do is refused,
-    not ignored."""
+    not ignored. With LoRA on, `served_model` is the base model's name: a `model` naming
+    anything else names an adapter (as in vLLM)."""
     temperature = reader.number("temperature", 1.0, minimum=0.0, maximum=2.0)
     params = GenerationParams(
         max_new_tokens=reader.integer("max_tokens", default_max_tokens, minimum=1),
@@ -112,6 +116,8 @@ def read_openai_sampling(reader: _ParameterReader, default_max_tokens: int) -> O
     model = reader.raw.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("model", f"expected a string, got {model!r}")
+    if served_model is not None and model and model != served_model:
+        params = msgspec.structs.replace(params, adapter=model)
     stream = reader.boolean("stream", False)
     stop = reader.stop_sequences("stop")
     return OpenAISampling(params, stop, stream, model, _include_usage(reader.raw, stream), n)

@@ -33,6 +33,8 @@ class LLMHandler:
     def __init__(self, runtime: Runtime, engine: EngineConnection):
         self.config = runtime.config
         self.predictor = Predictor(runtime, engine)
+        # With LoRA on, an OpenAI `model` other than this names an adapter.
+        self._lora_base_model = runtime.model_name if self.config.enable_lora else None
         self.formatters = load_formatters(
             runtime.formatters, runtime.user_dir, self.config.output_formatter
         )
@@ -58,7 +60,7 @@ class LLMHandler:
         if request.route is Route.COMPLETIONS:
             return self._completions(payload, request)
         if request.route is Route.CHAT_COMPLETIONS or is_chat(payload):
-            chat = parse_chat(payload)
+            chat = parse_chat(payload, self._lora_base_model)
             answer = self.predictor.chat(chat, request.request_id, request.client_gone)
             if chat.stream:
                 return HandlerResponse(stream=answer, content_type=_SSE)
@@ -83,7 +85,7 @@ class LLMHandler:
         return HandlerResponse(stream=stream, content_type=fmt.content_type)
 
     def _completions(self, payload: dict, request: HandlerRequest) -> HandlerResponse:
-        parsed = parse_completion(payload)
+        parsed = parse_completion(payload, self._lora_base_model)
         sampling = parsed.sampling
         model = sampling.model or self.predictor.runtime.model_name
         responder = CompletionResponder(self.predictor.tokenizer, model, parsed)

@@ -38,14 +38,15 @@ class CompletionRequest:
     logprobs: int | None
 
 
-def parse_completion(payload: dict[str, Any]) -> CompletionRequest:
+def parse_completion(payload: dict[str, Any], served_model: str | None = None) -> CompletionRequest:
+    """`served_model`: read_openai_sampling's."""
     prompt = payload.get("prompt")
     batched = isinstance(prompt, list)
     prompts = prompt if batched else [prompt]
     if not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise BadRequest("prompt", "expected a non-empty string or list of non-empty strings")
     reader = _ParameterReader(payload, prefix="")
-    sampling = read_openai_sampling(reader, _DEFAULT_MAX_TOKENS)
+    sampling = read_openai_sampling(reader, _DEFAULT_MAX_TOKENS, served_model)
     logprobs = reader.integer("logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
     echo = reader.boolean("echo", False)
     if sampling.stream and batched:

@@ -75,7 +75,11 @@ class Predictor:
         each = request.num_sequences
         generations = self._generate_all(
             [ids for ids in prompts for _ in range(each)],
-            sequence_params(request.params, each) * len(prompts),
+            [
+                params
+                for index in range(len(prompts))
+                for params in sequence_params(request.params_of_input(index), each)
+            ],
             request_id,
             client_gone,
             request.stop_sequences,

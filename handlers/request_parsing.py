@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from lmserve.rolling_batch.protocol import MAX_TOP_LOGPROBS, GenerationParams
 
 # The formats a request may name in `parameters.output_formatter` (a model.py's function is
@@ -54,6 +56,14 @@ class TextRequest:
     output_formatter: str | None = None
     n: int = 1  # sequences answered per input
     best_of: int = 1  # sequences generated per input, the n most likely kept
+    # `adapters` as a list, one LoRA adapter (or None: the base model) per input; a single
+    # name is `params.adapter` for every input.
+    adapters: tuple[str | None, ...] | None = None
+
+    def params_of_input(self, index: int) -> GenerationParams:
+        if self.adapters is None:
+            return self.params
+        return msgspec.structs.replace(self.params, adapter=self.adapters[index])
 
     @property
     def num_sequences(self) -> int:
@@ -101,11 +111,31 @@ def parse_payload(payload: dict[str, Any], tgi_compat: bool = False) -> TextRequ
     if not isinstance(parameters, dict):
         raise BadRequest("parameters", "expected a JSON object")
     parsed = _parse_parameters(parameters, tgi_compat)
+    adapters = _adapters(payload.get("adapters"), len(items), batched)
+    if isinstance(adapters, tuple):
+        parsed["adapters"] = adapters
+    elif adapters is not None:
+        parsed["params"] = msgspec.structs.replace(parsed["params"], adapter=adapters)
     # DJL moves a top-level `stream` into the parameters (over one already there) and streams
     # on `parameters.stream`: both places are honoured, the top level winning.
     if stream is not None:
         parsed["stream"] = stream
     return TextRequest(inputs=items, batched=batched, **parsed)
+
+
+def _adapters(value: Any, num_inputs: int, batched: bool) -> str | tuple | None:
+    """LMI's `adapters`: one name for every input, or (with a list of inputs) a list of names,
+    one per input. An empty name or null means the base model."""
+    if value is None or isinstance(value, str):
+        return value or None
+    if batched and isinstance(value, list) and all(v is None or isinstance(v, str) for v in value):
+        if len(value) != num_inputs:
+            raise BadRequest(
+                "adapters", f"{len(value)} adapters for {num_inputs} inputs: expected one each"
+            )
+        return tuple(v or None for v in value)
+    expected = "a string, or a list of strings as long as `inputs`" if batched else "a string"
+    raise BadRequest("adapters", f"expected {expected}, got {value!r}")
 
 
 def _parse_parameters(raw: dict[str, Any], tgi_compat: bool) -> dict[str, Any]:

@@ -75,6 +75,10 @@ class ServingConfig:
     enable_prefix_caching: bool  # resolved: the default follows paged_attention
     enable_chunked_prefill: bool
     quantize: str | None  # int4/int8 at load, awq/gptq checkpoints; the CPU rolling batch
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int  # resolved: the default is max_loras
     # Unknown option.* keys (prefix stripped), kept for custom handlers.
     extra_options: dict[str, str] = field(default_factory=dict)
 
@@ -147,6 +151,7 @@ def load_config(
             sources[setting.key] = "default"
     _resolve_max_devices(values, max_tensor_parallel or num_devices)
     problems += _resolve_prefix_caching(values)
+    problems += _resolve_lora_cache(values)
     engine_line = choose_engine(values, sources, user_handler)
     problems += _cross_field_problems(values, num_devices)
     if user_handler and values["rolling_batch"] != DYNAMIC_BATCHING:
@@ -229,6 +234,19 @@ def _resolve_prefix_caching(values: dict[str, Any]) -> list[str]:
             " contiguous layout holds one max_model_len block per request, so no block is"
             " ever full to share; expected option.paged_attention=true, or"
             " option.enable_prefix_caching=false"
+        ]
+    return []
+
+
+def _resolve_lora_cache(values: dict[str, Any]) -> list[str]:
+    """Every adapter a step uses must be loaded: the cache holds at least max_loras."""
+    if values["max_cpu_loras"] is None:
+        values["max_cpu_loras"] = values["max_loras"]
+    elif values["max_cpu_loras"] < values["max_loras"]:
+        return [
+            f"option.max_cpu_loras={values['max_cpu_loras']} < option.max_loras="
+            f"{values['max_loras']}: every adapter of a step is kept loaded; expected"
+            f" option.max_cpu_loras >= {values['max_loras']}"
         ]
     return []
 

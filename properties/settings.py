@@ -282,6 +282,12 @@ SETTINGS: tuple[Setting, ...] = (
     # Weight-only int4 on the CPU rolling batch; the methods not served yet are refused by
     # name rather than silently served unquantized.
     Setting("option.quantize", "quantize", quantization, None, ("HF_MODEL_QUANTIZE",)),
+    # LoRA adapters in <model dir>/adapters/<name>/ (PEFT folders), chosen per request.
+    Setting("option.enable_lora", "enable_lora", boolean, False),
+    Setting("option.max_loras", "max_loras", integer(1), 4),  # adapters in one step
+    Setting("option.max_lora_rank", "max_lora_rank", integer(1), 16),
+    # Adapters kept loaded (the others are read from disk when asked for); None: max_loras.
+    Setting("option.max_cpu_loras", "max_cpu_loras", integer(1), None),
 )
 
 SETTINGS_BY_KEY = {setting.key: setting for setting in SETTINGS}

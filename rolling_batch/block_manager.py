@@ -98,13 +98,15 @@ class BlockManager:
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
         """The hash chain of the request's first `num_blocks` full blocks, extended on the
-        request as needed (a full block's tokens never change)."""
+        request as needed (a full block's tokens never change). The chain starts from the
+        request's LoRA adapter (None: the base model): the same tokens through another
+        adapter have other K/V."""
         hashes = request.block_hashes
         tokens = request.all_token_ids if len(hashes) < num_blocks else None
         size = self.block_size
         while len(hashes) < num_blocks:
             index = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else request.params.adapter
             hashes.append(hash((parent, tuple(tokens[index * size : (index + 1) * size]))))
         return hashes[:num_blocks]
 

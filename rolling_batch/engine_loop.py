@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 import zmq
@@ -48,6 +48,7 @@ class RollingEngine:
         max_waiting: int,
         world_size: int = 1,
         slot_timeout_s: float | None = None,
+        adapters: Collection[str] | None = None,
     ):
         self.execute = execute
         self.scheduler = scheduler
@@ -58,6 +59,7 @@ class RollingEngine:
         self.world_size = world_size
         # option.predict_timeout: how long a request may wait for its place in the batch.
         self.slot_timeout_s = slot_timeout_s
+        self.adapters = adapters  # the LoRA adapters served; None: LoRA is off
         self.stats = EngineStats()
         self._unstreamed: set[Request] = set()  # answered with one final event
         self._prefix_seen = (0, 0)  # prefix-cache (query, hit) tokens at the last log line
@@ -242,6 +244,10 @@ class RollingEngine:
                 f" {self.capacity_tokens} for one request"
             )
             self._send(identity, protocol.ErrorEvent(message.id, 400, reason))
+            return
+        refusal = protocol.adapter_refusal(message.id, message.params.adapter, self.adapters)
+        if refusal is not None:
+            self._send(identity, refusal)
             return
         if len(self.scheduler.waiting) >= self.max_waiting:
             self._send(identity, protocol.queue_full_event(message.id, self.max_waiting))

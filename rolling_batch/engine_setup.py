@@ -13,6 +13,8 @@ import torch
 from . import kv_cache
 from .context_length import context_length
 from .layers.parallel import TensorParallelGroup, shard_heads
+from .lora_adapters import ADAPTERS_DIR, find_adapters
+from .lora_manager import LoraManager
 from .model_loader import load_hf_config, load_model, resolve_dtype
 from .model_runner import ModelRunner
 
@@ -31,6 +33,11 @@ class RuntimeOptions:
     num_kv_blocks: int | None = None  # pins the pool instead of the memory budget
     trust_remote_code: bool = False
     quantize: str | None = None  # option.quantize (model_loader.load_model)
+    # LoRA adapters from <model dir>/adapters/ (lora_manager.py); the option.* names.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 4
 
     @classmethod
     def from_config(cls, config) -> RuntimeOptions:
@@ -46,6 +53,10 @@ class RuntimeOptions:
             num_kv_blocks=config.num_kv_blocks,
             trust_remote_code=config.trust_remote_code,
             quantize=config.quantize,
+            enable_lora=config.enable_lora,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras,
         )
 
 
@@ -70,6 +81,9 @@ def build_runner(
     dtype = resolve_dtype(options.dtype, checkpoint_dtype, device.type)
     max_model_len = context_length(hf_config.to_dict(), options.max_model_len)
     model = load_model(model_path, hf_config, dtype, device, group, max_model_len, options.quantize)
+    lora = None
+    if options.enable_lora:
+        lora = _lora_manager(model_path, options, model, hf_config, dtype)
 
     block_size = options.block_size if options.paged_attention else max_model_len
     heads = shard_heads(
@@ -84,6 +98,8 @@ def build_runner(
     budget = kv_cache.memory_budget(
         device, options.gpu_memory_utilization, options.cpu_kv_cache_fraction, ranks_here
     )
+    if lora is not None:
+        budget = max(0, budget - lora.cache_bytes)  # adapters load into RAM as they are asked for
     useful = options.max_num_seqs * -(-max_model_len // block_size)
     if options.num_kv_blocks is not None:
         budget = options.num_kv_blocks * shape.bytes_per_block
@@ -99,5 +115,32 @@ def build_runner(
         num_blocks * shape.bytes_per_block / 2**20,
         budget / 2**20,
     )
-    runner = ModelRunner(model, kv_cache.allocate(shape, num_blocks, device), block_size, device)
+    kv_caches = kv_cache.allocate(shape, num_blocks, device)
+    runner = ModelRunner(model, kv_caches, block_size, device, lora)
     return runner, hf_config, max_model_len
+
+
+def _lora_manager(model_path, options: RuntimeOptions, model, hf_config, dtype) -> LoraManager:
+    lora = LoraManager(
+        model,
+        hf_config,
+        find_adapters(model_path),
+        options.max_loras,
+        options.max_lora_rank,
+        options.max_cpu_loras,
+        dtype,
+    )
+    lora.load_all()
+    log.info(
+        "LoRA: %d adapter(s) in %s (%s); %d slots of rank %d take %.1f MiB, up to %.1f MiB"
+        " kept for option.max_cpu_loras=%d",
+        len(lora.sources),
+        Path(model_path) / ADAPTERS_DIR,
+        ", ".join(lora.sources) or "none yet",
+        options.max_loras,
+        options.max_lora_rank,
+        lora.slot_bytes / 2**20,
+        lora.cache_bytes / 2**20,
+        options.max_cpu_loras,
+    )
+    return lora

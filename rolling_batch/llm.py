@@ -56,8 +56,14 @@ class LLM:
         cache_dir: str | os.PathLike | None = None,
         trust_remote_code: bool = False,
         quantize: str | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
         loading_timeout_s: float = 600.0,
     ):
+        """The options are serving.properties' of the same names; with `enable_lora` the
+        adapters are the PEFT folders in `<model>/adapters/<name>/`."""
         from transformers import AutoTokenizer
 
         cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -75,6 +81,10 @@ class LLM:
             cpu_kv_cache_fraction=cpu_kv_cache_fraction,
             trust_remote_code=trust_remote_code,
             quantize=quantize,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras or max_loras,
         )
         if tensor_parallel_degree == 1:
             self._engine = _InProcessEngine(self.model_path, options)
@@ -88,16 +98,20 @@ class LLM:
         prompts: str | list[str] | list[list[int]],
         max_new_tokens: int = 30,
         ignore_eos: bool = False,
+        adapters: str | list[str | None] | None = None,
     ) -> list[GenerationResult]:
-        """Greedy generation; one result per prompt, in order."""
+        """Greedy generation; one result per prompt, in order. `adapters`: the LoRA adapter of
+        every prompt, or a list with each prompt's (None: the base model)."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        if adapters is None or isinstance(adapters, str):
+            adapters = [adapters] * len(prompts)
         texts = [p if isinstance(p, str) else None for p in prompts]
         prompt_ids = [
             self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompts
         ]
         outputs = self._engine.generate(
-            prompt_ids, max_new_tokens, sorted(self.eos_token_ids), ignore_eos
+            prompt_ids, max_new_tokens, sorted(self.eos_token_ids), ignore_eos, list(adapters)
         )
         return [
             GenerationResult(text, self.tokenizer.decode(ids, skip_special_tokens=True), ids)
@@ -121,7 +135,7 @@ class _InProcessEngine:
         )
         self.max_running = options.max_num_seqs
 
-    def generate(self, prompts, max_new_tokens, eos_token_ids, ignore_eos) -> list[list[int]]:
+    def generate(self, prompts, max_new_tokens, eos_token_ids, ignore_eos, adapters):
         runner = self.runner
         return generate_greedy(
             runner.execute,
@@ -133,6 +147,8 @@ class _InProcessEngine:
             max_new_tokens,
             set(eos_token_ids),
             ignore_eos,
+            adapters=adapters,
+            lora=runner.lora,
         )
 
     def close(self) -> None:
@@ -158,7 +174,7 @@ class _MPIEngine:
         self._socket.connect(address)
         self._request({"op": "hello"}, timeout_s)
 
-    def generate(self, prompts, max_new_tokens, eos_token_ids, ignore_eos) -> list[list[int]]:
+    def generate(self, prompts, max_new_tokens, eos_token_ids, ignore_eos, adapters):
         reply = self._request(
             {
                 "op": "generate",
@@ -166,6 +182,7 @@ class _MPIEngine:
                 "max_new_tokens": max_new_tokens,
                 "eos_token_ids": eos_token_ids,
                 "ignore_eos": ignore_eos,
+                "adapters": adapters,
             },
             timeout_s=None,
         )

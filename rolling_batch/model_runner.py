@@ -11,6 +11,7 @@ from lmserve.kernels import cpu_native
 from lmserve.kernels.paged_attention import ReferencePlan
 
 from .layers.attention import AttentionMetadata
+from .lora_manager import LoraManager
 from .sampler import top_logprobs_of
 from .step import SequenceChunk
 
@@ -33,11 +34,12 @@ class StepLogits(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model, kv_caches, block_size: int, device: torch.device):
+    def __init__(self, model, kv_caches, block_size: int, device: torch.device, lora=None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.lora: LoraManager | None = lora  # option.enable_lora
         if device.type == "cpu":
             cpu_native.native_ops()  # built (first start on a machine) or loaded now, not mid-step
 
@@ -54,6 +56,8 @@ class ModelRunner:
         """The logits, and the prompt log-probs of the chunks that ask (every rank computes
         them: the LM head's gather is a collective)."""
         input_ids, positions, meta, logits_rows = self._prepare(chunks)
+        if self.lora is not None:
+            self.lora.prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         scores = {}
         first_row = 0

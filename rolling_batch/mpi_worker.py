@@ -112,6 +112,8 @@ def serve_driver(runner, broadcaster: StepBroadcaster, address: str, limits) -> 
                     message["max_new_tokens"],
                     set(message["eos_token_ids"]),
                     message["ignore_eos"],
+                    adapters=message["adapters"],
+                    lora=runner.lora,
                 )
                 reply = {"token_ids": token_ids}
             except ValueError as error:  # refused before any step: the other ranks are idle

@@ -9,7 +9,8 @@ from collections.abc import Callable
 import torch
 
 from .block_manager import BlockManager
-from .protocol import GenerationParams
+from .lora_manager import LoraManager
+from .protocol import GenerationParams, adapter_refusal
 from .request import Request
 from .scheduler import Scheduler
 from .step import Sample, SequenceChunk
@@ -26,19 +27,38 @@ def generate_greedy(
     eos_token_ids: set[int],
     ignore_eos: bool = False,
     prefill_token_budget: int = 4096,
+    adapters: list[str | None] | None = None,
+    lora: LoraManager | None = None,
 ) -> list[list[int]]:
-    """The generated token ids of each prompt (EOS included when it ended the sequence)."""
+    """The generated token ids of each prompt (EOS included when it ended the sequence);
+    `adapters`: each prompt's LoRA adapter (None: the base model), served by `lora`."""
     capacity = min(num_blocks * block_size, max_model_len)
-    params = GenerationParams(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
-    requests = [Request(str(i), list(p), params, 0.0) for i, p in enumerate(prompts)]
+    adapters = adapters or [None] * len(prompts)
+    requests = [
+        Request(
+            str(i),
+            list(p),
+            GenerationParams(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, adapter=a),
+            0.0,
+        )
+        for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))
+    ]
+    served = None if lora is None else lora.sources
     for index, request in enumerate(requests):
+        refusal = adapter_refusal(str(index), request.params.adapter, served)
+        if refusal is not None:
+            raise ValueError(f"prompt {index}: {refusal.message}")
         if request.num_tokens + max_new_tokens > capacity:
             raise ValueError(
                 f"prompt {index}: {request.num_tokens} tokens + max_new_tokens={max_new_tokens}"
                 f" exceed the {capacity} tokens one sequence may hold"
             )
     scheduler = Scheduler(
-        BlockManager(num_blocks, block_size), max_running, prefill_token_budget, max_model_len
+        BlockManager(num_blocks, block_size),
+        max_running,
+        prefill_token_budget,
+        max_model_len,
+        None if lora is None else len(lora.slots),
     )
     for request in requests:
         scheduler.add(request)

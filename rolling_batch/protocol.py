@@ -14,6 +14,7 @@ events of that step in a BatchEvent (a single event goes alone). Torch-free.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from enum import StrEnum
 from typing import Any
 
@@ -61,15 +62,19 @@ class GenerationParams(msgspec.Struct, frozen=True):
     # computes them; the same `top_logprobs` alternatives per position).
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    # The LoRA adapter (option.enable_lora) that modifies the model for this request; None:
+    # the base model. The engine refuses a name it does not know.
+    adapter: str | None = None
 
     def batch_key(self) -> tuple:
         """Requests that may run in one HF `generate` call: everything but the length, which
         each request cuts to its own. Greedy ignores the sampling knobs (as the contract says),
         so all greedy requests batch together."""
         if not self.do_sample:
-            return (False, self.repetition_penalty, self.ignore_eos)
+            return (False, self.repetition_penalty, self.ignore_eos, self.adapter)
         return (
             True,
+            self.adapter,
             self.temperature,
             self.top_k,
             self.top_p,
@@ -243,6 +248,27 @@ def request_id_of(frame: bytes) -> str | None:
         return None
     request_id = message.get("id") if isinstance(message, dict) else None
     return request_id if isinstance(request_id, str) else None
+
+
+def adapter_refusal(
+    request_id: str, adapter: str | None, served: Collection[str] | None
+) -> ErrorEvent | None:
+    """The answer to a request naming a LoRA adapter the engine does not serve (None when it
+    is served, or the request names none): never the base model's answer instead."""
+    if adapter is None or (served is not None and adapter in served):
+        return None
+    if served is None:
+        message = (
+            f"adapters: LoRA adapter {adapter!r} asked for, but LoRA is off"
+            " (option.enable_lora=false)"
+        )
+        return ErrorEvent(request_id, 400, message)
+    names = ", ".join(sorted(served)) or "none"
+    message = (
+        f"adapters: no LoRA adapter named {adapter!r} (the request's `adapters`, or `model` on"
+        f" the OpenAI routes); served: {names}"
+    )
+    return ErrorEvent(request_id, 404, message)
 
 
 def queue_full_event(request_id: str, limit: int) -> ErrorEvent:

@@ -2,11 +2,13 @@
 
 Every step: running requests first, in arrival order (decodes cost one token each; a prompt
 still being prefilled takes what the prefill budget allows), then waiting requests join while
-the batch has room and the budget lasts. Prompts longer than the budget are prefilled in chunks
-across steps while decodes keep running. KV blocks are taken on demand; when none are left the
-newest running request is preempted (blocks freed, its tokens kept and recomputed later). With
-prefix caching a joining request starts from the cached blocks of its longest cached prefix,
-and full blocks are registered for reuse as steps compute them.
+the batch has room and the budget lasts (a request whose LoRA adapter would make more than
+max_loras adapters in the batch waits, and those behind it may go first). Prompts longer than
+the budget are prefilled in chunks across steps while decodes keep running. KV blocks are
+taken on demand; when none are left the newest running request is preempted (blocks freed,
+its tokens kept and recomputed later). With prefix caching a joining request starts from the
+cached blocks of its longest cached prefix, and full blocks are registered for reuse as steps
+compute them.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ class Scheduler:
         max_running: int,
         max_prefill_tokens: int,
         max_model_len: int,
+        max_loras: int | None = None,
     ):
         self.blocks = block_manager
         self.max_running = max_running
+        self.max_loras = max_loras  # distinct LoRA adapters in the running batch, at most
         self.max_prefill_tokens = max_prefill_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -87,8 +91,12 @@ class Scheduler:
                 continue  # it was itself the newest and got preempted
             budget -= num_new if request.is_prefilling else 0
             self._add_chunk(out, request, num_new)
+        passed_over: list[Request] = []  # their adapter finds no free slot this step
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             request = self.waiting[0]
+            if not self._adapter_fits(request):
+                passed_over.append(self.waiting.popleft())
+                continue
             self.blocks.reuse_cached_prefix(request)
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0 or not self.blocks.can_hold(
@@ -105,7 +113,17 @@ class Scheduler:
             budget -= num_new
             out.num_joined += 1
             self._add_chunk(out, request, num_new)
+        self.waiting.extendleft(reversed(passed_over))
         return out
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """A request joins if its adapter (if any) is already running or a slot is left for
+        it; the others wait (as in vLLM), and requests behind them may go first."""
+        adapter = request.params.adapter
+        if adapter is None or self.max_loras is None:
+            return True
+        running = {r.params.adapter for r in self.running} - {None}
+        return adapter in running or len(running) < self.max_loras
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if request.is_prefilling:
@@ -151,6 +169,7 @@ class Scheduler:
                 tuple(request.block_ids),
                 needs_logits,
                 **_prompt_scoring(request, start, num_new),
+                adapter=request.params.adapter,
             )
         )
 

@@ -23,6 +23,7 @@ class SequenceChunk:
     score_from: int = 0
     score_targets: tuple[int, ...] = ()
     score_top: int = 0
+    adapter: str | None = None  # the LoRA adapter of the sequence; None: the base model
 
 
 class Sample(NamedTuple):

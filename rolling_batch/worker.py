@@ -49,6 +49,7 @@ def main() -> None:
         max_running=config.max_rolling_batch_size,
         max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
         max_model_len=max_model_len,
+        max_loras=config.max_loras if config.enable_lora else None,
     )
     # Before the ready state: a tokenizer that fails to load here must fail start-up.
     eos = eos_token_ids(runtime.model_path, trust_remote_code=config.trust_remote_code)
@@ -80,6 +81,7 @@ def main() -> None:
         max_waiting=config.job_queue_size,
         world_size=comm.Get_size(),
         slot_timeout_s=config.predict_timeout,
+        adapters=None if runner.lora is None else runner.lora.sources,
     )
     engine.run_forever()
 

@@ -12,6 +12,7 @@ import logging
 import torch
 from torch import nn
 
+from .lora import LoraSlots
 from .quantized import GROUP_SIZE, Int4Weight, Int8Weight, can_quantize
 
 log = logging.getLogger(__name__)
@@ -41,16 +42,26 @@ def try_pack(weight: torch.Tensor) -> PackedWeight | None:
 
 
 class PackableLinear(nn.Module):
-    """Base of the sharded linears: `matmul` uses the packed weight once `pack` succeeded."""
+    """Base of the sharded linears: `matmul` uses the packed weight once `pack` succeeded, and
+    adds the step's LoRA adapters' part when the model serves adapters (layers/lora.py)."""
 
     weight: nn.Parameter
+    in_features: int  # of this rank's shard
+    out_features: int
+    shards_input = False  # row-parallel: the input features are split across the ranks
+    num_projections = 1  # fused linears: the projections side by side in the output
     packed: PackedWeight | Int4Weight | Int8Weight | None = None
     int4_group_size: int | None = None  # set when the checkpoint brings int4 codes
+    lora: LoraSlots | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is None:
-            return nn.functional.linear(x, self.weight, bias)
-        return self.packed(x, bias)
+            out = nn.functional.linear(x, self.weight, bias)
+        else:
+            out = self.packed(x, bias)
+        if self.lora is not None and self.lora.step.mask is not None:
+            out += self.lora.delta(x)
+        return out
 
     def expect_int4(self, group_size: int) -> None:
         """The checkpoint brings this layer as int4 codes with a scale and zero a group of

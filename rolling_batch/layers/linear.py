@@ -21,12 +21,15 @@ def _empty(*shape: int) -> nn.Parameter:
 
 
 class QKVLinear(PackableLinear):
+    num_projections = 3  # q, k, v
+
     def __init__(self, hidden_size: int, head_dim: int, heads: HeadShard, bias: bool):
         super().__init__()
         self.head_dim = head_dim
         self.heads = heads
         self.q_size = heads.num_q * head_dim
         self.kv_size = heads.num_kv * head_dim
+        self.in_features, self.out_features = hidden_size, self.q_size + 2 * self.kv_size
         self.weight = _empty(self.q_size + 2 * self.kv_size, hidden_size)
         self.bias = _empty(self.q_size + 2 * self.kv_size) if bias else None
 
@@ -52,6 +55,8 @@ class MergedColumnLinear(PackableLinear):
         self.splits = [balanced_split(n, group.world_size, group.rank) for n in out_features]
         self.offsets = [sum(size for _, size in self.splits[:i]) for i in range(len(self.splits))]
         local = sum(size for _, size in self.splits)
+        self.num_projections = len(out_features)
+        self.in_features, self.out_features = in_features, local
         self.weight = _empty(local, in_features)
         self.bias = _empty(local) if bias else None
 
@@ -68,11 +73,14 @@ class RowLinear(PackableLinear):
     """Input features [in_start, in_start + in_size) of the full layer live here; the partial
     outputs of all ranks are summed (the bias is added once, after the sum)."""
 
+    shards_input = True
+
     def __init__(self, in_start: int, in_size: int, out_features: int, group, bias: bool):
         super().__init__()
         self.group = group
         self.in_start = in_start
         self.in_size = in_size
+        self.in_features, self.out_features = in_size, out_features
         self.weight = _empty(out_features, in_size)
         self.bias = _empty(out_features) if bias else None
 

@@ -15,9 +15,11 @@ from ..layers.attention import Attention, AttentionMetadata
 from ..layers.cpu_matmul import PackableLinear, PackedWeight, try_pack
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnLinear, RowLinear
+from ..layers.lora import LoraSlots, LoraStep
 from ..layers.norm_and_rotary import RMSNorm, RotaryEmbedding
 from ..layers.parallel import TensorParallelGroup, balanced_split, shard_heads
 from ..layers.quantized import Int8Weight
+from ..lora_adapters import linear_shapes
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 _FUSED = {
@@ -159,6 +161,28 @@ class LlamaForCausalLM(nn.Module):
                     module.expect_int4(group_size)
                 except ValueError as error:
                     raise ValueError(f"{name}: {error}") from None
+
+    def enable_lora(self, num_slots: int, max_rank: int, step: LoraStep) -> dict:
+        """LoRA slots (layers/lora.py) on every decoder linear. Returns {HF module name:
+        (the slots of the linear that holds it, its projection's shard id there)}."""
+        modules = dict(self.named_modules())
+        weight = self.model.embed_tokens.weight
+        targets = {}
+        for name in linear_shapes(self.config):
+            fused, projection = _fused_name(f"{name}.")
+            linear = modules[fused.removesuffix(".")]
+            if linear.lora is None:
+                linear.lora = LoraSlots(
+                    linear,
+                    linear.num_projections,
+                    num_slots,
+                    max_rank,
+                    step,
+                    weight.dtype,
+                    weight.device,
+                )
+            targets[name] = (linear.lora, projection)
+        return targets
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

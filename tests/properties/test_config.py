@@ -77,6 +77,10 @@ CONTRACT_DEFAULTS = {
     "enable_prefix_caching": True,
     "enable_chunked_prefill": True,
     "quantize": None,
+    "enable_lora": False,
+    "max_loras": 4,
+    "max_lora_rank": 16,
+    "max_cpu_loras": 4,
     "extra_options": {},
 }
 
@@ -177,6 +181,11 @@ def test_plain_server_keys_from_the_file(tmp_path):
         ("option.quantize=int8", "quantize", "int8"),
         ("option.quantize=AWQ", "quantize", "awq"),
         ("option.quantize=gptq", "quantize", "gptq"),
+        ("option.enable_lora=true", "enable_lora", True),
+        ("option.max_loras=8", "max_loras", 8),
+        ("option.max_lora_rank=64", "max_lora_rank", 64),
+        ("option.max_loras=8", "max_cpu_loras", 8),  # follows max_loras unless set
+        ("option.max_cpu_loras=10", "max_cpu_loras", 10),
         ("batch_size = 2   ", "batch_size", 2),  # trailing spaces around numbers are fine
     ],
 )
@@ -802,6 +811,11 @@ def test_equal_min_and_max_workers_are_fine(tmp_path):
             "option.enable_prefix_caching=true\noption.paged_attention=false",
             None,
             ["option.enable_prefix_caching=true", "contiguous layout", "paged_attention=true"],
+        ),
+        (
+            "option.max_loras=8\noption.max_cpu_loras=2",
+            None,
+            ["option.max_cpu_loras=2 < option.max_loras=8", "option.max_cpu_loras >= 8"],
         ),
         (
             "option.enable_chunked_prefill=false",

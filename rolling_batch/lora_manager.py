@@ -1,0 +1,120 @@
+"""One rank's LoRA adapters: which are known (name -> folder), which are loaded in memory (at
+most option.max_cpu_loras, least recently used dropped first and read again when asked for),
+and which sit in the linears' slots (layers/lora.py) for the step at hand.
+
+Every rank runs the same steps and so makes the same choices; each reads the adapters itself and
+keeps its own shard in the slots. The scheduler on rank 0 keeps a step's adapters within
+option.max_loras, so they always fit the slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from .layers.lora import LoraStep
+from .lora_adapters import LoraAdapter, linear_shapes, load_adapter
+from .step import SequenceChunk
+
+log = logging.getLogger(__name__)
+
+
+class LoraManager:
+    def __init__(
+        self,
+        model,
+        hf_config,
+        sources: dict[str, Path],
+        max_loras: int,
+        max_rank: int,
+        max_cpu_loras: int,
+        dtype: torch.dtype,
+    ):
+        self.step = LoraStep()
+        self.targets = model.enable_lora(max_loras, max_rank, self.step)
+        self.shapes = linear_shapes(hf_config)
+        self.sources = dict(sources)
+        self.max_rank = max_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.dtype = dtype
+        self.slots: list[str | None] = [None] * max_loras
+        self.loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
+        self._linears = list({id(lora): lora for lora, _ in self.targets.values()}.values())
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(lora.num_bytes for lora in self._linears)
+
+    @property
+    def cache_bytes(self) -> int:
+        """The most the loaded adapters may take: max_cpu_loras adapters of the largest rank
+        on every linear."""
+        per_rank = sum(out + inp for out, inp in self.shapes.values()) * self.dtype.itemsize
+        return self.max_cpu_loras * self.max_rank * per_rank
+
+    def load_all(self) -> None:
+        """Reads every known adapter once (the first max_cpu_loras stay loaded): an adapter
+        lmserve cannot serve fails here, at start, with its name and the reason."""
+        for name in self.sources:
+            self.adapter(name)
+
+    def adapter(self, name: str) -> LoraAdapter:
+        adapter = self.loaded.get(name)
+        if adapter is not None:
+            self.loaded.move_to_end(name)
+            return adapter
+        if name not in self.sources:
+            raise KeyError(f"no adapter named {name!r}")
+        adapter = load_adapter(name, self.sources[name], self.max_rank, self.shapes, self.dtype)
+        if len(self.loaded) >= self.max_cpu_loras:
+            dropped, _ = self.loaded.popitem(last=False)
+            log.info("LoRA adapter %s unloaded (max_cpu_loras=%d)", dropped, self.max_cpu_loras)
+        self.loaded[name] = adapter
+        log.info(
+            "LoRA adapter %s loaded: rank %d on %d linears, %.1f MiB",
+            name,
+            adapter.rank,
+            len(adapter.modules),
+            adapter.num_bytes / 2**20,
+        )
+        return adapter
+
+    def prepare(self, chunks: list[SequenceChunk]) -> None:
+        """Puts the step's adapters in slots and sets the token-to-slot mask every LoRA linear
+        reads (None when no chunk names an adapter)."""
+        names = list(dict.fromkeys(chunk.adapter for chunk in chunks if chunk.adapter))
+        if not names:
+            self.step.mask = None
+            return
+        slot_of = self._place(names)
+        slots = torch.tensor([slot_of.get(chunk.adapter, -1) for chunk in chunks])
+        lengths = torch.tensor([len(chunk.token_ids) for chunk in chunks])
+        token_slots = slots.repeat_interleave(lengths)
+        in_use = torch.arange(max(slot_of.values()) + 1)
+        mask = (token_slots[:, None] == in_use[None, :]).to(self.dtype)[..., None]
+        self.step.mask = mask.to(self._linears[0].a.device)
+
+    def _place(self, names: list[str]) -> dict[str, int]:
+        """{adapter: slot} for this step's adapters: those already in a slot stay; the others
+        take the lowest slots no adapter of this step holds (so the step uses few slots)."""
+        if len(names) > len(self.slots):
+            raise ValueError(f"{len(names)} adapters in one step; max_loras={len(self.slots)}")
+        placed = {name: self.slots.index(name) for name in names if name in self.slots}
+        free = [slot for slot, held in enumerate(self.slots) if held not in placed]
+        for name in names:
+            if name not in placed:
+                placed[name] = slot = free.pop(0)
+                self._install(slot, name)
+        return placed
+
+    def _install(self, slot: int, name: str) -> None:
+        adapter = self.adapter(name)
+        for lora in self._linears:
+            lora.clear(slot)
+        for module, (a, b) in adapter.modules.items():
+            lora, projection = self.targets[module]
+            lora.load(slot, projection, a, b)
+        self.slots[slot] = name

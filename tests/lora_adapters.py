@@ -1,0 +1,56 @@
+"""Real LoRA adapters made with PEFT for the tests: PEFT folders saved under a model dir's
+`adapters/`, with random A and B large enough to change what the model says, and HF + PEFT as
+the reference they are held to."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# name -> (target_modules, rank, lora_alpha, use_rslora): different targets, ranks and scalings.
+TINY_ADAPTERS = {
+    "attn": (["q_proj", "v_proj"], 8, 16, False),
+    "everything": ("all-linear", 8, 16, False),
+    "mlp-rs": (["k_proj", "o_proj", "up_proj", "down_proj"], 4, 8, True),
+}
+
+
+def save_adapter(
+    model_dir: Path, name: str, target_modules, rank: int, alpha: float, rslora: bool, seed: int
+) -> Path:
+    """A PEFT LoRA adapter of the model in `model_dir`, saved as `model_dir/adapters/name`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=target_modules,
+        use_rslora=rslora,
+        init_lora_weights=False,  # random B too: an adapter that changes the output
+    )
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), config)
+    folder = model_dir / "adapters" / name
+    model.save_pretrained(folder)
+    return folder
+
+
+def save_adapters(model_dir: Path, adapters: dict = TINY_ADAPTERS) -> list[str]:
+    for seed, (name, spec) in enumerate(adapters.items(), start=1):
+        save_adapter(model_dir, name, *spec, seed=seed)
+    return list(adapters)
+
+
+def peft_model(model_dir: Path, name: str | None, merged: bool = False):
+    """HF transformers with the adapter through PEFT (`merged`: folded into the weights), fp32;
+    the base model when `name` is None."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if name is None:
+        return base
+    model = PeftModel.from_pretrained(base, model_dir / "adapters" / name).eval()
+    return model.merge_and_unload() if merged else model

@@ -1,0 +1,203 @@
+"""LoRA adapters in the rolling batch: PEFT adapters made here on the tiny Llama (different
+targets, ranks and scalings, rsLoRA among them), served in one batch mixing them with the base
+model, against HF + PEFT token for token: TP=1 and TP=2, paged and contiguous, with fewer
+slots than adapters. And clear refusals of what is not served."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from lmserve.rolling_batch import LLM
+from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.lora_adapters import linear_shapes, load_adapter
+from lmserve.rolling_batch.model_loader import load_hf_config
+
+from ..conftest import TEST_CACHE_DIR, save_tiny_llama
+from ..hf_reference import VARIED_PROMPTS, assert_same_or_near_tie, hf_greedy_alone
+from ..lora_adapters import TINY_ADAPTERS, peft_model, save_adapter, save_adapters
+
+MAX_NEW_TOKENS = 12
+PROMPTS = VARIED_PROMPTS[:8]
+
+
+@pytest.fixture(scope="module")
+def lora_model_dir(smollm2_dir, tmp_path_factory):
+    folder = save_tiny_llama(
+        tmp_path_factory.mktemp("tiny-lora"), smollm2_dir, intermediate_size=96, hidden_size=64
+    )
+    save_adapters(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(lora_model_dir):
+    """{(prompt index, adapter): (HF + PEFT's greedy tokens, their logits)}, every prompt with
+    every adapter and with none."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(lora_model_dir)
+    expected = {}
+    for adapter in [None, *TINY_ADAPTERS]:
+        model = peft_model(lora_model_dir, adapter)
+        for index, prompt in enumerate(PROMPTS):
+            ids = tokenizer(prompt)["input_ids"]
+            expected[index, adapter] = hf_greedy_alone(model, ids, MAX_NEW_TOKENS)
+    return expected
+
+
+def mixed_batch() -> tuple[list[str], list[str | None]]:
+    """Every prompt with every adapter and with the base model, interleaved so each step mixes
+    them."""
+    adapters = [None, *TINY_ADAPTERS]
+    pairs = [(p, a) for i, p in enumerate(PROMPTS) for a in adapters[i % 2 :] + adapters[: i % 2]]
+    return [p for p, _ in pairs], [a for _, a in pairs]
+
+
+def assert_matches_reference(results, prompts, adapters, reference):
+    for prompt, adapter, result in zip(prompts, adapters, results):
+        expected, logits = reference[PROMPTS.index(prompt), adapter]
+        assert_same_or_near_tie(result.token_ids, expected, logits)
+
+
+def test_adapters_change_what_the_model_says(reference):
+    """The test adapters matter: each one's greedy text differs from the base model's."""
+    for adapter in TINY_ADAPTERS:
+        changed = [reference[i, adapter][0] != reference[i, None][0] for i in range(len(PROMPTS))]
+        assert sum(changed) >= len(PROMPTS) // 2, adapter
+
+
+def test_peft_merged_model_agrees_with_peft(lora_model_dir, reference):
+    """The reference holds either way PEFT applies an adapter (unmerged layers, merged
+    weights)."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(lora_model_dir)(PROMPTS[0])["input_ids"]
+    for adapter in TINY_ADAPTERS:
+        merged = peft_model(lora_model_dir, adapter, merged=True)
+        tokens, _ = hf_greedy_alone(merged, ids, MAX_NEW_TOKENS)
+        assert tokens == reference[0, adapter][0]
+
+
+@pytest.mark.parametrize(
+    ("paged", "max_loras"),
+    [(True, 4), (False, 4), (True, 2)],
+    ids=["paged", "contiguous", "two-slots"],
+)
+def test_mixed_batch_matches_peft(lora_model_dir, reference, paged, max_loras):
+    """Three adapters and the base model in the same steps give HF + PEFT's tokens; with two
+    slots for three adapters, requests wait for a slot and adapters take turns in them."""
+    prompts, adapters = mixed_batch()
+    with LLM(
+        lora_model_dir,
+        dtype="fp32",
+        max_model_len=256,
+        paged_attention=paged,
+        enable_lora=True,
+        max_loras=max_loras,
+        cache_dir=TEST_CACHE_DIR,
+    ) as llm:
+        results = llm.generate(prompts, MAX_NEW_TOKENS, ignore_eos=True, adapters=adapters)
+    assert_matches_reference(results, prompts, adapters, reference)
+
+
+def test_tensor_parallel_matches_peft(lora_model_dir, reference):
+    """TP=2: adapter weights shard like the linears they modify (column-parallel B rows,
+    row-parallel A columns)."""
+    prompts, adapters = mixed_batch()
+    with LLM(
+        lora_model_dir,
+        tensor_parallel_degree=2,
+        dtype="fp32",
+        max_model_len=256,
+        enable_lora=True,
+        cache_dir=TEST_CACHE_DIR,
+    ) as llm:
+        results = llm.generate(prompts, MAX_NEW_TOKENS, ignore_eos=True, adapters=adapters)
+    assert_matches_reference(results, prompts, adapters, reference)
+
+
+def test_unknown_adapter_is_refused_by_name(lora_model_dir):
+    with LLM(lora_model_dir, dtype="fp32", max_model_len=256, enable_lora=True) as llm:
+        with pytest.raises(ValueError, match="no LoRA adapter named 'nope'.*served: attn"):
+            llm.generate(["Hello"], 2, adapters="nope")
+    with LLM(lora_model_dir, dtype="fp32", max_model_len=256) as llm:
+        with pytest.raises(ValueError, match="LoRA is off"):
+            llm.generate(["Hello"], 2, adapters="attn")
+
+
+@pytest.fixture
+def shapes(lora_model_dir):
+    return linear_shapes(load_hf_config(lora_model_dir))
+
+
+def test_rank_above_max_lora_rank_is_refused(lora_model_dir, shapes):
+    folder = lora_model_dir / "adapters" / "everything"
+    with pytest.raises(ValueError, match=r"'everything'.*rank 8: above option.max_lora_rank=4"):
+        load_adapter("everything", folder, 4, shapes, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"bias": "all"}, "bias='all'"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"peft_type": "IA3"}, "only LORA"),
+        ({"alpha_pattern": {"q_proj": 4}}, "alpha_pattern"),
+    ],
+)
+def test_what_is_not_served_is_refused(lora_model_dir, shapes, tmp_path, change, message):
+    folder = shutil.copytree(lora_model_dir / "adapters" / "attn", tmp_path / "attn")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=f"adapter 'odd': .*{message}"):
+        load_adapter("odd", folder, 16, shapes, torch.float32)
+
+
+def test_adapter_on_the_embedding_is_refused(lora_model_dir, shapes, tmp_path):
+    scratch = shutil.copytree(lora_model_dir, tmp_path / "model", ignore=_only_model_files)
+    folder = save_adapter(scratch, "embed", ["embed_tokens", "q_proj"], 4, 8, False, seed=9)
+    with pytest.raises(ValueError, match="'embed': .*model.embed_tokens"):
+        load_adapter("embed", folder, 16, shapes, torch.float32)
+
+
+def test_adapter_for_another_model_is_refused(lora_model_dir, smollm2_dir, tmp_path):
+    """An adapter trained on a wider model does not fit this one's linears."""
+    wider = save_tiny_llama(tmp_path / "wider", smollm2_dir, hidden_size=96)
+    folder = save_adapter(wider, "wide", ["q_proj"], 4, 8, False, seed=3)
+    shapes = linear_shapes(load_hf_config(lora_model_dir))
+    with pytest.raises(ValueError, match=r"'wide': .*q_proj: lora_A \(4, 96\)"):
+        load_adapter("wide", folder, 16, shapes, torch.float32)
+
+
+def test_slots_are_reused_without_leftovers(lora_model_dir):
+    """An adapter put in a slot another held before sees none of the other's weights: the
+    one-slot engine serving adapters in turn gives each its own tokens."""
+    from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
+    from lmserve.rolling_batch.offline_generation import generate_greedy
+
+    options = RuntimeOptions(
+        dtype="fp32", max_model_len=128, enable_lora=True, max_loras=1, max_cpu_loras=1
+    )
+    runner, _, max_len = build_runner(lora_model_dir, options, TensorParallelGroup())
+    prompt = [1, 504, 3458, 282, 4649, 314]
+
+    def generate(adapter):
+        return generate_greedy(
+            runner.execute, runner.num_blocks, runner.block_size, max_len, 4, [prompt], 8,
+            set(), adapters=[adapter], lora=runner.lora,
+        )[0]  # fmt: skip
+
+    first = {name: generate(name) for name in TINY_ADAPTERS}
+    again = {name: generate(name) for name in reversed(TINY_ADAPTERS)}
+    assert first == again
+    assert len(set(map(tuple, first.values()))) == len(TINY_ADAPTERS)
+    assert list(runner.lora.loaded) == ["attn"]  # max_cpu_loras=1: the last one asked for
+
+
+def _only_model_files(directory, names):
+    return [name for name in names if name == "adapters"]
