@@ -25,6 +25,7 @@ from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
 
 from . import metrics, model_status
+from .adapter_routes import add_adapter_routes
 from .engine_client import EngineClient
 
 log = logging.getLogger("lmserve.http")
@@ -103,6 +104,7 @@ def create_app(runtime_path: str) -> Flask:
     def completions():
         return _predict(name, Route.COMPLETIONS)
 
+    add_adapter_routes(app, runtime, client)
     api_document = yaml.safe_load(_OPENAPI.read_text())
 
     @app.get("/openapi.json")

@@ -13,11 +13,13 @@ from lmserve.handlers.user_code import EntryPoint, UserCodeError, defines_handle
 from lmserve.properties.config import (
     ConfigError,
     ResolvedConfig,
+    ServingConfig,
     default_cache_dir,
     describe,
     load_config,
 )
 from lmserve.rolling_batch.gguf_convert import GGUFError
+from lmserve.rolling_batch.lora_adapters import ADAPTERS_DIR, adapters_dir
 from lmserve.rolling_batch.runtime import Runtime
 
 from .launcher import Supervisor, make_ipc_dir
@@ -113,8 +115,17 @@ def serve(args: argparse.Namespace) -> int:
         entry_point=entry.location if is_handler else None,
         formatters=formatters,
         user_dir=user_dir,
+        adapters_dir=_adapters_dir(config, served, model.path),
     )
     return Supervisor(runtime, args.host, port).run()
+
+
+def _adapters_dir(config: ServingConfig, served: Path | None, model_path: Path) -> str | None:
+    if not config.enable_lora:
+        return None
+    folder = adapters_dir(served, model_path)
+    log.info("LoRA adapters: %s", folder or f"none yet (no {ADAPTERS_DIR}/ in the model dir)")
+    return None if folder is None else str(folder)
 
 
 def _add_requirements(model_dir: Path) -> None:

@@ -54,7 +54,10 @@ class EngineClient:
 
     def submit(
         self,
-        message: protocol.GenerateRequest | protocol.HandleRequest | protocol.StatsRequest,
+        message: protocol.GenerateRequest
+        | protocol.HandleRequest
+        | protocol.StatsRequest
+        | protocol.AdapterCommand,
         events: queue.SimpleQueue[protocol.Event] | None = None,
     ) -> queue.SimpleQueue[protocol.Event]:
         """Sends `message`; the events for its id arrive on the returned queue: `events` when

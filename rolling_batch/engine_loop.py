@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import torch
 import zmq
 
 from . import protocol
+from .adapter_registry import AdapterRegistry, lora_off_answer
 from .engine_stats import EngineStats, PhaseTimer
 from .ipc import drain_router
 from .request import Request
@@ -48,7 +49,7 @@ class RollingEngine:
         max_waiting: int,
         world_size: int = 1,
         slot_timeout_s: float | None = None,
-        adapters: Collection[str] | None = None,
+        adapters: AdapterRegistry | None = None,
     ):
         self.execute = execute
         self.scheduler = scheduler
@@ -81,6 +82,8 @@ class RollingEngine:
             self._expire_waiting(time.monotonic())
             if self.scheduler.has_work():
                 self.step(timer)
+            if self.adapters is not None and self.adapters.retiring:
+                self.adapters.retire_unused(self._adapters_in_use())
 
     def _expire_waiting(self, now: float) -> None:
         """Answers the requests that waited longer than option.predict_timeout for a place in
@@ -231,10 +234,19 @@ class RollingEngine:
             self._send(identity, protocol.StatsEvent(message.id, self.snapshot()))
         elif isinstance(message, protocol.CountResponse):
             self.stats.http_responses[message.status] += 1
+        elif isinstance(message, protocol.AdapterCommand):
+            if self.adapters is None:
+                self._send(identity, lora_off_answer(message))
+            else:
+                self._send(identity, self.adapters.answer(message, self._adapters_in_use()))
         elif isinstance(message, protocol.HandleRequest):
             # A user's handle() runs with engine=Python; answer a front end that thinks otherwise.
             reason = "the rolling-batch engine serves the LLM handler, not a model.py handle()"
             self._send(identity, protocol.ErrorEvent(message.id, 500, reason))
+
+    def _adapters_in_use(self) -> set[str]:
+        queued = [*self.scheduler.running, *self.scheduler.waiting]
+        return {request.params.adapter for request in queued} - {None}
 
     def _admit(self, identity: bytes, message: protocol.GenerateRequest) -> None:
         needed = len(message.prompt_ids) + message.params.max_new_tokens

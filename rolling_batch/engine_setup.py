@@ -38,10 +38,11 @@ class RuntimeOptions:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int = 4
+    adapters_dir: str | None = None  # None: <model dir>/adapters
 
     @classmethod
-    def from_config(cls, config) -> RuntimeOptions:
-        """The engine options of a ServingConfig."""
+    def from_config(cls, config, adapters_dir: str | None = None) -> RuntimeOptions:
+        """The engine options of a ServingConfig (and where its LoRA adapters are)."""
         return cls(
             dtype=config.dtype,
             max_model_len=config.max_model_len,
@@ -57,6 +58,7 @@ class RuntimeOptions:
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras,
+            adapters_dir=adapters_dir,
         )
 
 
@@ -121,10 +123,11 @@ def build_runner(
 
 
 def _lora_manager(model_path, options: RuntimeOptions, model, hf_config, dtype) -> LoraManager:
+    folder = Path(options.adapters_dir or Path(model_path) / ADAPTERS_DIR)
     lora = LoraManager(
         model,
         hf_config,
-        find_adapters(model_path),
+        find_adapters(folder),
         options.max_loras,
         options.max_lora_rank,
         options.max_cpu_loras,
@@ -135,7 +138,7 @@ def _lora_manager(model_path, options: RuntimeOptions, model, hf_config, dtype) 
         "LoRA: %d adapter(s) in %s (%s); %d slots of rank %d take %.1f MiB, up to %.1f MiB"
         " kept for option.max_cpu_loras=%d",
         len(lora.sources),
-        Path(model_path) / ADAPTERS_DIR,
+        folder,
         ", ".join(lora.sources) or "none yet",
         options.max_loras,
         options.max_lora_rank,

@@ -16,8 +16,10 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are read: the CLI finds adapters without it
+    import torch
 
 ADAPTERS_DIR = "adapters"
 CONFIG_FILE = "adapter_config.json"
@@ -46,15 +48,23 @@ class LoraAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.modules.values())
 
 
-def find_adapters(model_dir: str | Path) -> dict[str, Path]:
-    """name -> folder of every adapter under `<model_dir>/adapters/` (folders holding an
-    adapter_config.json), by name."""
-    root = Path(model_dir) / ADAPTERS_DIR
-    if not root.is_dir():
+def adapters_dir(*model_dirs: str | Path | None) -> Path | None:
+    """The first of the model dirs (the one serving.properties is in, the model's own) that
+    has an `adapters/` folder: DJL looks in both."""
+    for model_dir in model_dirs:
+        if model_dir is not None and (Path(model_dir) / ADAPTERS_DIR).is_dir():
+            return Path(model_dir) / ADAPTERS_DIR
+    return None
+
+
+def find_adapters(root: str | Path | None) -> dict[str, Path]:
+    """name -> folder of every adapter in the `adapters/` folder `root` (its folders holding
+    an adapter_config.json), by name."""
+    if root is None or not Path(root).is_dir():
         return {}
     return {
         folder.name: folder
-        for folder in sorted(root.iterdir())
+        for folder in sorted(Path(root).iterdir())
         if folder.is_dir() and (folder / CONFIG_FILE).is_file()
     }
 
@@ -133,6 +143,8 @@ def _read_tensors(name: str, folder: Path) -> dict[str, torch.Tensor]:
                 from safetensors.torch import load_file
 
                 return load_file(path)
+            import torch
+
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as error:  # noqa: BLE001 - any unreadable file is the adapter's fault
             raise AdapterError(name, f"unreadable {file_name}: {error}") from None

@@ -61,6 +61,24 @@ class LoraManager:
         for name in self.sources:
             self.adapter(name)
 
+    def add(self, name: str, folder: Path) -> None:
+        """A new adapter, read now: one that cannot be served raises AdapterError and stays
+        unknown."""
+        self.sources[name] = folder
+        try:
+            self.adapter(name)
+        except Exception:
+            del self.sources[name]
+            raise
+
+    def set_sources(self, sources: dict[str, str]) -> None:
+        """The adapters known from now on (another rank registered or dropped some): those that
+        left are dropped from memory and from the slots."""
+        self.sources = {name: Path(folder) for name, folder in sources.items()}
+        for name in [name for name in self.loaded if name not in self.sources]:
+            del self.loaded[name]
+        self.slots = [held if held in self.sources else None for held in self.slots]
+
     def adapter(self, name: str) -> LoraAdapter:
         adapter = self.loaded.get(name)
         if adapter is not None:

@@ -20,6 +20,7 @@ from . import protocol
 from .engine_setup import RuntimeOptions, build_runner
 from .layers.parallel import MPIGroup, NcclGroup, TensorParallelGroup
 from .offline_generation import generate_greedy
+from .step import AdapterSources
 
 log = logging.getLogger("lmserve.rank")
 
@@ -69,23 +70,31 @@ class StepBroadcaster:
             self.comm.send(chunks, dest=rank, tag=_STEP_TAG)
         return self.runner.execute_step(chunks)
 
+    def share_adapters(self, folders: dict[str, str]) -> None:
+        for rank in range(1, self.comm.Get_size()):
+            self.comm.send(AdapterSources(folders), dest=rank, tag=_STEP_TAG)
+
     def stop_followers(self) -> None:
         for rank in range(1, self.comm.Get_size()):
             self.comm.send(None, dest=rank, tag=_STEP_TAG)
 
 
 def follow(runner, comm) -> None:
-    """Ranks > 0: run every step rank 0 sends until it sends None."""
+    """Ranks > 0: run every step rank 0 sends until it sends None (and take the adapters it
+    registers or drops between steps)."""
     last_step = time.monotonic()
     while True:
         if not comm.Iprobe(source=0, tag=_STEP_TAG):
             if time.monotonic() - last_step > _BUSY_POLL_S:
                 time.sleep(_IDLE_SLEEP_S)
             continue
-        chunks = comm.recv(source=0, tag=_STEP_TAG)
-        if chunks is None:
+        message = comm.recv(source=0, tag=_STEP_TAG)
+        if message is None:
             return
-        runner.execute(chunks)
+        if isinstance(message, AdapterSources):
+            runner.lora.set_sources(message.folders)
+            continue
+        runner.execute(message)
         last_step = time.monotonic()
 
 

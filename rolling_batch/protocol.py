@@ -125,7 +125,21 @@ class HandleRequest(_ToEngine, tag="handle"):
     headers: dict[str, str]
 
 
-ToEngine = GenerateRequest | AbortRequest | StatsRequest | CountResponse | HandleRequest
+class AdapterCommand(_ToEngine, tag="adapter"):
+    """The LoRA adapter management API (DJL's): "list" the adapters served, "register" one
+    (`name`, `path`: the folder on this machine, `src`: where it came from, as the client gave
+    it), or "unregister" one. Answered with an AdaptersEvent, or an ErrorEvent."""
+
+    id: str
+    action: str
+    name: str | None = None
+    src: str | None = None
+    path: str | None = None
+
+
+ToEngine = (
+    GenerateRequest | AbortRequest | StatsRequest | CountResponse | HandleRequest | AdapterCommand
+)
 
 
 # engine -> front end. Events are plain (not frozen): the engine builds many per step.
@@ -197,7 +211,15 @@ class ChunkEvent(_FromEngine, tag="chunk"):
     last: bool = False
 
 
-Event = TokenEvent | FinalEvent | ErrorEvent | StatsEvent | ReplyEvent | ChunkEvent
+class AdaptersEvent(_FromEngine, tag="adapters"):
+    """The adapters an AdapterCommand concerns (all for "list", the one registered or
+    unregistered otherwise): {"name": ..., "src": ...} each."""
+
+    id: str
+    adapters: list[dict[str, str]]
+
+
+Event = TokenEvent | FinalEvent | ErrorEvent | StatsEvent | ReplyEvent | ChunkEvent | AdaptersEvent
 
 
 class BatchEvent(_FromEngine, tag="batch"):

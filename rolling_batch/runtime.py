@@ -29,6 +29,7 @@ class Runtime:
     # A model.py (or entryPoint) without handle(): its formatters wrap the LLM handler.
     formatters: str | None = None
     user_dir: str | None = None  # the model dir the user's code lives in (on its sys.path)
+    adapters_dir: str | None = None  # where the LoRA adapters are (option.enable_lora)
 
     @property
     def engine_address(self) -> str:
@@ -49,6 +50,7 @@ class Runtime:
             "entry_point": self.entry_point,
             "formatters": self.formatters,
             "user_dir": self.user_dir,
+            "adapters_dir": self.adapters_dir,
         }
         _write_atomically(path, json.dumps(payload))
         return path

@@ -32,3 +32,11 @@ class Sample(NamedTuple):
     token: int
     log_prob: float
     top_logprobs: list[tuple[int, float]] | None = None  # when the request asks for them
+
+
+@dataclass(frozen=True)
+class AdapterSources:
+    """Rank 0 to the other ranks between steps: the LoRA adapters known from now on, name ->
+    folder (the management API registered or dropped one)."""
+
+    folders: dict[str, str]

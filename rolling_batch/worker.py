@@ -10,6 +10,7 @@ import sys
 import zmq
 
 from . import protocol
+from .adapter_registry import AdapterRegistry
 from .block_manager import BlockManager
 from .engine_loop import RollingEngine
 from .engine_setup import RuntimeOptions, build_runner
@@ -33,7 +34,10 @@ def main() -> None:
     try:
         group = make_group(comm)
         runner, _, max_model_len = build_runner(
-            runtime.model_path, RuntimeOptions.from_config(config), group, comm.Get_size()
+            runtime.model_path,
+            RuntimeOptions.from_config(config, runtime.adapters_dir),
+            group,
+            comm.Get_size(),
         )
     except Exception as error:
         if rank == 0:
@@ -72,8 +76,12 @@ def main() -> None:
         runner.block_size,
     )
     write_state(runtime, protocol.EngineState.READY, dtype=dtype, device=str(runner.device))
+    broadcaster = StepBroadcaster(runner, comm)
+    adapters = None
+    if runner.lora is not None:
+        adapters = AdapterRegistry(runner.lora, broadcaster.share_adapters)
     engine = RollingEngine(
-        StepBroadcaster(runner, comm).execute_step,
+        broadcaster.execute_step,
         scheduler,
         Sampler(runner.device),
         socket,
@@ -81,7 +89,7 @@ def main() -> None:
         max_waiting=config.job_queue_size,
         world_size=comm.Get_size(),
         slot_timeout_s=config.predict_timeout,
-        adapters=None if runner.lora is None else runner.lora.sources,
+        adapters=adapters,
     )
     engine.run_forever()
 

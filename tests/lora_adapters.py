@@ -17,9 +17,17 @@ TINY_ADAPTERS = {
 
 
 def save_adapter(
-    model_dir: Path, name: str, target_modules, rank: int, alpha: float, rslora: bool, seed: int
+    model_dir: Path,
+    name: str,
+    target_modules,
+    rank: int,
+    alpha: float,
+    rslora: bool,
+    seed: int,
+    folder: Path | None = None,
 ) -> Path:
-    """A PEFT LoRA adapter of the model in `model_dir`, saved as `model_dir/adapters/name`."""
+    """A PEFT LoRA adapter of the model in `model_dir`, saved in `folder` (by default
+    `model_dir/adapters/name`, where the server finds it at start)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -32,7 +40,7 @@ def save_adapter(
         init_lora_weights=False,  # random B too: an adapter that changes the output
     )
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), config)
-    folder = model_dir / "adapters" / name
+    folder = folder or model_dir / "adapters" / name
     model.save_pretrained(folder)
     return folder
 
@@ -43,14 +51,15 @@ def save_adapters(model_dir: Path, adapters: dict = TINY_ADAPTERS) -> list[str]:
     return list(adapters)
 
 
-def peft_model(model_dir: Path, name: str | None, merged: bool = False):
+def peft_model(model_dir: Path, name: str | None, merged: bool = False, folder=None):
     """HF transformers with the adapter through PEFT (`merged`: folded into the weights), fp32;
-    the base model when `name` is None."""
+    the base model when `name` is None. The adapter is `folder`, by default the model dir's
+    adapters/name."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if name is None:
         return base
-    model = PeftModel.from_pretrained(base, model_dir / "adapters" / name).eval()
+    model = PeftModel.from_pretrained(base, folder or model_dir / "adapters" / name).eval()
     return model.merge_and_unload() if merged else model

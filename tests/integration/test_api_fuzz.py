@@ -41,4 +41,4 @@ def test_schemathesis_finds_nothing(server, tmp_path):
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
-    assert "Operations:       9 selected / 9 total" in result.stdout
+    assert "Operations:       13 selected / 13 total" in result.stdout
