@@ -154,3 +154,39 @@ def test_bad_tgi_and_djl_parameters_name_their_field(parameters, field):
     with pytest.raises(BadRequest) as error:
         parse({"inputs": "x", "parameters": parameters})
     assert error.value.field == field
+
+
+def test_adapters_name_one_adapter_for_all_inputs_or_one_each():
+    one = parse_payload({"inputs": ["a", "b"], "adapters": "sql"})
+    assert [one.params_of_input(i).adapter for i in range(2)] == ["sql", "sql"]
+    each = parse_payload({"inputs": ["a", "b", "c"], "adapters": ["sql", None, ""]})
+    assert [each.params_of_input(i).adapter for i in range(3)] == ["sql", None, None]
+    assert parse_payload({"inputs": "a"}).params.adapter is None
+    assert parse_payload({"inputs": "a", "adapters": ""}).params.adapter is None
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ({"inputs": ["a", "b"], "adapters": ["sql"]}, "1 adapters for 2 inputs"),
+        ({"inputs": "a", "adapters": ["sql"]}, "expected a string, got"),
+        ({"inputs": ["a"], "adapters": 3}, "a list of strings as long as `inputs`"),
+        ({"inputs": ["a"], "adapters": [3]}, "a list of strings as long as `inputs`"),
+    ],
+)
+def test_bad_adapters_are_refused_naming_the_field(payload, message):
+    with pytest.raises(BadRequest, match=message) as refused:
+        parse_payload(payload)
+    assert refused.value.field == "adapters"
+
+
+def test_openai_model_names_an_adapter_only_with_lora_on():
+    from lmserve.handlers.chat import parse_chat
+    from lmserve.handlers.openai_completions import parse_completion
+
+    chat = {"model": "sql", "messages": [{"role": "user", "content": "Hi"}]}
+    assert parse_chat(chat).params.adapter is None  # LoRA off: `model` is a label
+    assert parse_chat(chat, served_model="base").params.adapter == "sql"
+    assert parse_chat({**chat, "model": "base"}, served_model="base").params.adapter is None
+    completion = {"model": "sql", "prompt": "Hi"}
+    assert parse_completion(completion, served_model="base").sampling.params.adapter == "sql"

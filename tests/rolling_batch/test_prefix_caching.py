@@ -198,3 +198,19 @@ def test_cached_blocks_are_evicted_least_recently_used_first():
         probe = Request("probe2", evicted, GenerationParams(), 0.0)
         blocks.reuse_cached_prefix(probe)
         assert probe.num_computed_tokens == 0
+
+
+def test_blocks_are_shared_only_through_the_same_adapter():
+    """The same tokens through another LoRA adapter (or none) have other K/V: no reuse across
+    adapters, reuse within one."""
+    prompt = list(range(10, 10 + 4 * BLOCK + 2))
+    sched = scheduler(64, caching=True)
+    first = GenerationParams(max_new_tokens=1, adapter="sql")
+    run_with_cache(sched, [Request("a", prompt, first, 0.0)])
+    cases = (("base", None, 0), ("other", "chat", 0), ("same", "sql", 4))
+    for request_id, adapter, reused in cases:
+        params = GenerationParams(max_new_tokens=1, adapter=adapter)
+        sched.add(Request(request_id, prompt, params, 1.0))
+        (chunk,) = sched.schedule().chunks
+        assert chunk.num_computed == reused * BLOCK, adapter
+        sched.abort(request_id)

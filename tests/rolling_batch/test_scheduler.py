@@ -201,3 +201,29 @@ def test_prompt_scoring_covers_each_prompt_position_once_across_chunks_and_preem
 class PromptScoresLike(NamedTuple):
     log_probs: list[float]
     top_logprobs: list | None
+
+
+def test_at_most_max_loras_adapters_run_and_the_others_wait_their_turn():
+    """Three adapters, two slots: a request whose adapter finds no slot waits (requests behind
+    it for running adapters or the base model go first), joins when an adapter leaves, and
+    every output is still right."""
+    adapters = ["a", "b", "c", None, "a", "c", "b", None]
+    requests = [
+        Request(f"r{i}", [5 + i] * 6, GenerationParams(max_new_tokens=3 + i, adapter=adapter), i)
+        for i, adapter in enumerate(adapters)
+    ]
+    scheduler = Scheduler(
+        BlockManager(64, 16), max_running=8, max_prefill_tokens=512, max_model_len=256, max_loras=2
+    )
+    seen_together = []
+
+    def check(out):
+        running = {r.params.adapter for r in scheduler.running} - {None}
+        assert len(running) <= 2
+        seen_together.append({r.request_id for r in out.requests})
+
+    outputs = run(scheduler, requests, on_step=check, arrivals_per_step=8)
+    assert outputs == expected_outputs(fresh(requests))
+    first = seen_together[0]
+    assert {"r0", "r1", "r3", "r4", "r6", "r7"} == first  # c (r2, r5) waits; b and None pass it
+    assert any("r2" in step for step in seen_together)
