@@ -60,6 +60,16 @@ def render(stats: dict | None, model_name: str) -> str:
     ):
         if key in stats:
             lines += _histogram(key, help_text, label, stats[key])
+    for key, help_text in (
+        ("adapter_requests", "requests admitted for each LoRA adapter"),
+        ("adapter_tokens", "tokens generated through each LoRA adapter"),
+    ):
+        if stats.get(key):
+            samples = [
+                (f'{label},adapter="{_label_value(name)}"', n)
+                for name, n in sorted(stats[key].items())
+            ]
+            lines += _metric(f"{key}_total", "counter", help_text, samples)
     if "step_phase_seconds" in stats:
         lines += _metric(
             "step_phase_seconds_total",
@@ -68,6 +78,11 @@ def render(stats: dict | None, model_name: str) -> str:
             [(f'{label},phase="{p}"', s) for p, s in stats["step_phase_seconds"].items()],
         )
     return "\n".join(lines) + "\n"
+
+
+def _label_value(text: str) -> str:
+    """Prometheus' escapes for a label value."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _metric(name: str, kind: str, help_text: str, samples) -> list[str]:

@@ -178,6 +178,8 @@ class RollingEngine:
             self.stats.time_per_token.observe(now - request.last_token_time)
         request.last_token_time = now
         self.stats.tokens_generated += 1
+        if request.params.adapter is not None:
+            self.stats.adapter_tokens[request.params.adapter] += 1
         unstreamed = request in self._unstreamed
         if request.finish_reason is not None:
             self.stats.finished[request.finish_reason] += 1
@@ -269,6 +271,8 @@ class RollingEngine:
         )
         if not message.stream:
             self._unstreamed.add(request)
+        if message.params.adapter is not None:
+            self.stats.adapter_requests[message.params.adapter] += 1
         self.scheduler.add(request)
 
     def snapshot(self) -> dict:

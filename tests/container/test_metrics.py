@@ -35,3 +35,16 @@ def test_step_profile_is_exposed():
     assert values['lmserve_step_sequences_total{model="m"}'] == 3
     for phase in PHASES:
         assert f'lmserve_step_phase_seconds_total{{model="m",phase="{phase}"}}' in values
+
+
+def test_requests_and_tokens_per_lora_adapter():
+    stats = EngineStats()
+    stats.adapter_requests.update({"sql": 2, 'odd"name': 1})
+    stats.adapter_tokens.update({"sql": 40, 'odd"name': 7})
+    values = samples(metrics.render(stats.to_dict(), "m"))
+    assert values['lmserve_adapter_requests_total{model="m",adapter="sql"}'] == 2
+    assert values['lmserve_adapter_tokens_total{model="m",adapter="sql"}'] == 40
+    assert values['lmserve_adapter_tokens_total{model="m",adapter="odd\\"name"}'] == 7
+    assert not any(
+        "adapter" in name for name in samples(metrics.render(EngineStats().to_dict(), "m"))
+    )

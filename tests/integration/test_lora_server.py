@@ -216,3 +216,23 @@ def _wait_until_running(server, timeout: float = 60.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("the request never started running")
+
+
+def test_metrics_count_requests_and_tokens_per_adapter(server):
+    def counts():
+        text = requests.get(f"{server.url}/metrics", timeout=30).text
+        found = {}
+        for line in text.splitlines():
+            if line.startswith(("lmserve_adapter_requests_total", "lmserve_adapter_tokens_total")):
+                name, value = line.rsplit(" ", 1)
+                found[name.split("{")[0], name.split('adapter="')[1].split('"')[0]] = float(value)
+        return found
+
+    before = counts()
+    response = generate(server, PROMPTS[0], "mlp-rs")
+    assert response.status_code == 200
+    after = counts()
+    requests_key = ("lmserve_adapter_requests_total", "mlp-rs")
+    tokens_key = ("lmserve_adapter_tokens_total", "mlp-rs")
+    assert after[requests_key] - before.get(requests_key, 0) == 1
+    assert after[tokens_key] - before.get(tokens_key, 0) == len(token_ids(response.json()))
