@@ -6,21 +6,30 @@ to its own `max_new_tokens` and its first EOS, so requests of different lengths 
 Log-probs of generated tokens (and their top alternatives) come from HF's `scores`: the
 distribution after repetition penalty, temperature, top-k and top-p. A prompt's log-probs come
 from the model's raw distribution, in one extra forward pass run only when some row asks.
+
+With option.enable_lora the model carries PEFT LoRA adapters (handlers/hf_lora.py); a batch's
+requests share one adapter, active for its `generate` and its prompt log-probs alike.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lmserve.rolling_batch.eos_tokens import eos_token_ids
+from lmserve.rolling_batch.lora_adapters import ADAPTERS_DIR
 from lmserve.rolling_batch.model_loader import load_hf_config, resolve_dtype
-from lmserve.rolling_batch.protocol import GenerationParams, TopLogprobs
+from lmserve.rolling_batch.protocol import GenerationParams, TopLogprobs, adapter_refusal
 from lmserve.rolling_batch.quantized_checkpoint import quantization_config
+
+from .hf_lora import active_adapter, attach_adapters
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +50,34 @@ class Generation:
 
 
 class HFEngine:
-    def __init__(self, model, device: str, eos_token_ids: set[int]):
+    def __init__(
+        self,
+        model,
+        device: str,
+        eos_token_ids: set[int],
+        adapters: Mapping[str, str] | None = None,
+    ):
         self.model = model
         self.device = device
         self.dtype = model.dtype
         self.eos_token_ids = eos_token_ids
         pad = model.generation_config.pad_token_id
         self.pad_token_id = pad if pad is not None else min(self.eos_token_ids, default=0)
+        # The LoRA adapters served, {name: PEFT's name for it}; None: LoRA is off.
+        self.adapters = adapters
 
     @classmethod
-    def load(cls, model_path: str, dtype: str, trust_remote_code: bool = False) -> HFEngine:
+    def load(
+        cls,
+        model_path: str,
+        dtype: str,
+        trust_remote_code: bool = False,
+        enable_lora: bool = False,
+        max_lora_rank: int = 16,
+        adapters_dir: str | None = None,
+    ) -> HFEngine:
+        """The model in `model_path`; with `enable_lora`, and every LoRA adapter in
+        `adapters_dir` (None: `<model_path>/adapters`) on it."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
         refuse_quantized_checkpoint(load_hf_config(model_path, trust_remote_code))
         model = AutoModelForCausalLM.from_pretrained(
@@ -58,7 +85,12 @@ class HFEngine:
         )
         torch_dtype = resolve_dtype(dtype, model.dtype, device)
         model = model.to(device=device, dtype=torch_dtype).eval()
-        return cls(model, device, eos_token_ids(model_path, trust_remote_code=trust_remote_code))
+        adapters = None
+        if enable_lora:
+            folder = Path(adapters_dir or Path(model_path) / ADAPTERS_DIR)
+            model, adapters = attach_adapters(model, folder, max_lora_rank)
+        eos = eos_token_ids(model_path, trust_remote_code=trust_remote_code)
+        return cls(model, device, eos, adapters)
 
     @torch.inference_mode()
     def generate(
@@ -66,6 +98,22 @@ class HFEngine:
     ) -> list[Generation]:
         """`params` share one `batch_key()`; max_new_tokens and the log-probs asked for (which
         are not part of the key) may differ."""
+        with self._adapter(params[0].adapter):
+            return self._generate(prompts, params)
+
+    def _adapter(self, name: str | None) -> AbstractContextManager:
+        """The context a batch for adapter `name` (None: the base model) runs in."""
+        refusal = adapter_refusal("", name, self.adapters)
+        if refusal is not None:
+            # The worker refuses these before batching; never answer with the base model.
+            raise ValueError(refusal.message)
+        if not self.adapters:
+            return nullcontext()  # no PEFT: the model is the base model
+        return active_adapter(self.model, None if name is None else self.adapters[name])
+
+    def _generate(
+        self, prompts: list[list[int]], params: list[GenerationParams]
+    ) -> list[Generation]:
         input_ids, attention_mask = self._left_pad(prompts)
         first = params[0]
         if first.do_sample and first.seed is not None:

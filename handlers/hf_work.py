@@ -1,8 +1,9 @@
 """engine=Python's built-in work: batches of token ids through HF transformers' `generate`.
 
-Requests batch by their generation parameters. A failing batch is retried request by request,
-so one bad request cannot fail its neighbours; a request that fails alone gets 424 (507 when
-out of memory)."""
+Requests batch by their generation parameters, the LoRA adapter among them; one naming an
+adapter that is not served is refused before it is queued. A failing batch is retried request
+by request, so one bad request cannot fail its neighbours; a request that fails alone gets 424
+(507 when out of memory)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ class HFGenerateWork:
 
     def batch_key(self, message: protocol.GenerateRequest) -> tuple:
         return message.params.batch_key()
+
+    def refusal(self, message: protocol.GenerateRequest) -> protocol.ErrorEvent | None:
+        # A LoRA adapter that is not served (or LoRA off) is refused, never answered by the
+        # base model.
+        return protocol.adapter_refusal(message.id, message.params.adapter, self.engine.adapters)
 
     def run(self, batch: list[PendingRequest], send: Send) -> int:
         """Answers every request of `batch`; the sizes of the batches that ran, summed."""

@@ -28,6 +28,9 @@ class UserHandlerWork:
     def batch_key(self, message: protocol.HandleRequest) -> tuple:
         return ()
 
+    def refusal(self, message: protocol.HandleRequest) -> None:
+        return None  # the handler itself answers whatever it cannot serve
+
     def run(self, batch: list[PendingRequest], send: Send) -> int:
         raw = [RawRequest(r.message.body, r.message.headers) for r in batch]
         try:

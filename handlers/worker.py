@@ -34,6 +34,11 @@ class BatchWork(Protocol):
 
     def batch_key(self, message) -> tuple: ...
 
+    def refusal(self, message) -> protocol.ErrorEvent | None:
+        """The answer to a request this work will not run (None: it will), given before the
+        request is queued."""
+        ...
+
     def run(self, batch: list[PendingRequest], send) -> int:
         """Answers every request of `batch` through `send(identity, event)`; returns how many
         requests ran in a batch (for the batch-size stats)."""
@@ -81,6 +86,11 @@ class PythonEngineLoop:
 
     def _handle(self, identity: bytes, message: protocol.ToEngine) -> None:
         if isinstance(message, self.work.request_type):
+            # Before the queue check: a request that can never run is not told to retry.
+            refusal = self.work.refusal(message)
+            if refusal is not None:
+                self._send(identity, refusal)
+                return
             if not self.batcher.can_add():
                 limit = self.batcher.max_queued
                 self._send(identity, protocol.queue_full_event(message.id, limit))
@@ -97,6 +107,10 @@ class PythonEngineLoop:
             self.http_responses[message.status] += 1
         elif isinstance(message, protocol.StatsRequest):
             self._send(identity, protocol.StatsEvent(message.id, self.stats()))
+        elif isinstance(getattr(message, "id", None), str):
+            # A request of a kind only the other engine takes: answered, never left to hang.
+            reason = f"engine=Python does not take {type(message).__name__} messages"
+            self._send(identity, protocol.ErrorEvent(message.id, 501, reason))
 
     def stats(self) -> dict:
         return {
@@ -116,7 +130,14 @@ def load_hf_work(runtime: Runtime) -> tuple[BatchWork, dict]:
 
     config = runtime.config
     started = time.monotonic()
-    engine = HFEngine.load(runtime.model_path, config.dtype, config.trust_remote_code)
+    engine = HFEngine.load(
+        runtime.model_path,
+        config.dtype,
+        config.trust_remote_code,
+        enable_lora=config.enable_lora,
+        max_lora_rank=config.max_lora_rank,
+        adapters_dir=runtime.adapters_dir,
+    )
     dtype = str(engine.dtype).removeprefix("torch.")
     log.info(
         "engine=Python model %s loaded in %.1f s: dtype=%s device=%s",

@@ -12,6 +12,7 @@ import time
 import uuid
 from contextlib import contextmanager
 
+import msgspec
 import pytest
 import zmq
 
@@ -29,6 +30,8 @@ from lmserve.rolling_batch.runtime import Runtime
 
 class ScriptedModel:
     """Answers every prompt with its last token + 1, as many times as max_new_tokens."""
+
+    adapters = None  # LoRA off
 
     def generate(self, prompts, params) -> list[Generation]:
         return [
@@ -85,6 +88,22 @@ def test_malformed_requests_are_answered_with_errors_and_the_engine_goes_on(tmp_
     assert "max_new_tokens" in events[0].message  # says what was wrong
     (final,) = [e for e in events if e.id == "ok"]
     assert final.token_ids == [8, 8] and final.finish_reason == protocol.FinishReason.LENGTH
+
+
+class ForeignRequest(msgspec.Struct, frozen=True):
+    """A request of a kind this engine does not take (a newer front end's, the other engine's)."""
+
+    id: str
+
+
+def test_a_request_of_a_kind_the_engine_does_not_take_is_answered(tmp_path):
+    sent = []
+    with engine(tmp_path, HFGenerateWork(ScriptedModel())) as (loop, _):
+        loop._send = lambda identity, event: sent.append((identity, event))
+        loop._handle(b"front", ForeignRequest("f"))
+    ((identity, refused),) = sent
+    assert identity == b"front" and (refused.id, refused.status) == ("f", 501)
+    assert "ForeignRequest" in refused.message
 
 
 HANDLER = """

@@ -201,3 +201,47 @@ def test_slots_are_reused_without_leftovers(lora_model_dir):
 
 def _only_model_files(directory, names):
     return [name for name in names if name == "adapters"]
+
+
+SMOLLM2_ADAPTERS = {
+    "smol-attn": (["q_proj", "k_proj", "v_proj", "o_proj"], 8, 4, False),
+    "smol-mlp": (["gate_proj", "up_proj", "down_proj"], 16, 4, True),
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2_lora_dir(smollm2_dir, tmp_path_factory):
+    """The embedded SmolLM2-135M (its files linked, not copied) with two adapters of its own."""
+    folder = tmp_path_factory.mktemp("smollm2-lora")
+    for path in smollm2_dir.iterdir():
+        (folder / path.name).symlink_to(path.resolve())
+    save_adapters(folder, SMOLLM2_ADAPTERS)
+    return folder
+
+
+def test_smollm2_adapters_match_peft(smollm2_lora_dir):
+    """The real model: each adapter, mixed with the base model in one batch, answers as
+    HF + PEFT does; and each adapter changes the answers."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_lora_dir)
+    prompts = VARIED_PROMPTS[:4]
+    names = [None, *SMOLLM2_ADAPTERS]
+    expected = {}
+    for adapter in names:
+        model = peft_model(smollm2_lora_dir, adapter)
+        for prompt in prompts:
+            ids = tokenizer(prompt)["input_ids"]
+            expected[prompt, adapter] = hf_greedy_alone(model, ids, MAX_NEW_TOKENS)
+    for adapter in SMOLLM2_ADAPTERS:
+        changed = [expected[p, adapter][0] != expected[p, None][0] for p in prompts]
+        assert sum(changed) >= len(prompts) // 2, adapter
+    batch = [(prompt, adapter) for prompt in prompts for adapter in names]
+    with LLM(
+        smollm2_lora_dir, dtype="fp32", max_model_len=256, enable_lora=True, max_lora_rank=16
+    ) as llm:
+        results = llm.generate(
+            [p for p, _ in batch], MAX_NEW_TOKENS, adapters=[a for _, a in batch]
+        )
+    for (prompt, adapter), result in zip(batch, results):
+        assert_same_or_near_tie(result.token_ids, *expected[prompt, adapter])
