@@ -101,23 +101,29 @@ class LoraManager:
         return adapter
 
     def prepare(self, chunks: list[SequenceChunk]) -> None:
-        """Puts the step's adapters in slots and sets the token-to-slot mask every LoRA linear
-        reads (None when no chunk names an adapter)."""
+        """Puts the step's adapters in slots and lists their tokens by slot for every LoRA
+        linear (LoraStep; no list when no chunk names an adapter)."""
+        step = self.step
         names = list(dict.fromkeys(chunk.adapter for chunk in chunks if chunk.adapter))
         if not names:
-            self.step.mask = None
+            step.order = None
             return
         slot_of = self._place(names)
-        slots = torch.tensor([slot_of.get(chunk.adapter, -1) for chunk in chunks])
-        lengths = torch.tensor([len(chunk.token_ids) for chunk in chunks])
-        token_slots = slots.repeat_interleave(lengths)
-        in_use = torch.arange(max(slot_of.values()) + 1)
-        mask = (token_slots[:, None] == in_use[None, :]).to(self.dtype)[..., None]
-        self.step.mask = mask.to(self._linears[0].a.device)
+        tokens_of: dict[int, list[int]] = {}
+        first = 0
+        for chunk in chunks:
+            if chunk.adapter:
+                tokens = range(first, first + len(chunk.token_ids))
+                tokens_of.setdefault(slot_of[chunk.adapter], []).extend(tokens)
+            first += len(chunk.token_ids)
+        step.slots = list(tokens_of)
+        step.lengths = [len(tokens) for tokens in tokens_of.values()]
+        order = [token for tokens in tokens_of.values() for token in tokens]
+        step.order = torch.tensor(order, dtype=torch.int64, device=self._linears[0].a.device)
 
     def _place(self, names: list[str]) -> dict[str, int]:
         """{adapter: slot} for this step's adapters: those already in a slot stay; the others
-        take the lowest slots no adapter of this step holds (so the step uses few slots)."""
+        take the free slots (or those of adapters this step does not use), lowest first."""
         if len(names) > len(self.slots):
             raise ValueError(f"{len(names)} adapters in one step; max_loras={len(self.slots)}")
         placed = {name: self.slots.index(name) for name in names if name in self.slots}

@@ -1021,6 +1021,40 @@ at::Tensor int8_dequantize(const at::Tensor& codes, const at::Tensor& scales,
   return out;
 }
 
+// LoRA for a batch mixing adapters (kernels/lora_segments.py's reference, the same loop): the
+// tokens in `order` (grouped by slot into segments of `lengths` tokens, segment i in slot
+// `slots[i]`) get x @ A_slot^T @ B_slot^T added to each projection's output rows of `out`.
+// A is [slots x projections x rank, in]; B one [projection outputs, slots x rank] a projection.
+// A loop of dense matmuls on row slices: no copy of any adapter, no Python call per segment.
+void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a,
+               const std::vector<at::Tensor>& bs, const std::vector<int64_t>& starts,
+               const at::Tensor& order, const std::vector<int64_t>& slots,
+               const std::vector<int64_t>& lengths, int64_t rank) {
+  TORCH_CHECK(bs.size() == starts.size(), "one start per projection");
+  TORCH_CHECK(slots.size() == lengths.size(), "one length per segment");
+  const int64_t width = static_cast<int64_t>(bs.size()) * rank;
+  const int64_t num_tokens = order.size(0);
+  const at::Tensor picked = x.index_select(0, order);
+  at::Tensor low_rank = at::empty({num_tokens, width}, x.options());
+  int64_t begin = 0;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    at::Tensor rows = low_rank.narrow(0, begin, lengths[i]);
+    at::mm_out(rows, picked.narrow(0, begin, lengths[i]), a.narrow(0, slots[i] * width, width).t());
+    begin += lengths[i];
+  }
+  for (size_t p = 0; p < bs.size(); ++p) {
+    const at::Tensor part = low_rank.narrow(1, static_cast<int64_t>(p) * rank, rank);
+    at::Tensor expanded = at::empty({num_tokens, bs[p].size(0)}, x.options());
+    begin = 0;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      at::Tensor rows = expanded.narrow(0, begin, lengths[i]);
+      at::mm_out(rows, part.narrow(0, begin, lengths[i]), bs[p].narrow(1, slots[i] * rank, rank).t());
+      begin += lengths[i];
+    }
+    out.narrow(1, starts[p], bs[p].size(0)).index_add_(0, order, expanded);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1033,5 +1067,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear);
   m.def("int4_dequantize_bf16", &int4_dequantize_bf16);
   m.def("int8_dequantize", &int8_dequantize);
+  m.def("lora_add_", &lora_add_);
   m.def("vector_width", [] { return static_cast<int64_t>(Vec::size()); });
 }

@@ -49,7 +49,6 @@ class PackableLinear(nn.Module):
     in_features: int  # of this rank's shard
     out_features: int
     shards_input = False  # row-parallel: the input features are split across the ranks
-    num_projections = 1  # fused linears: the projections side by side in the output
     packed: PackedWeight | Int4Weight | Int8Weight | None = None
     int4_group_size: int | None = None  # set when the checkpoint brings int4 codes
     lora: LoraSlots | None = None
@@ -59,9 +58,14 @@ class PackableLinear(nn.Module):
             out = nn.functional.linear(x, self.weight, bias)
         else:
             out = self.packed(x, bias)
-        if self.lora is not None and self.lora.step.mask is not None:
-            out += self.lora.delta(x)
+        if self.lora is not None and self.lora.step.order is not None:
+            self.lora.add_to(out, x)
         return out
+
+    @property
+    def projection_sizes(self) -> list[int]:
+        """The output rows of each projection, side by side (fused linears have several)."""
+        return [self.out_features]
 
     def expect_int4(self, group_size: int) -> None:
         """The checkpoint brings this layer as int4 codes with a scale and zero a group of

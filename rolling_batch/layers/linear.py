@@ -21,8 +21,6 @@ def _empty(*shape: int) -> nn.Parameter:
 
 
 class QKVLinear(PackableLinear):
-    num_projections = 3  # q, k, v
-
     def __init__(self, hidden_size: int, head_dim: int, heads: HeadShard, bias: bool):
         super().__init__()
         self.head_dim = head_dim
@@ -32,6 +30,10 @@ class QKVLinear(PackableLinear):
         self.in_features, self.out_features = hidden_size, self.q_size + 2 * self.kv_size
         self.weight = _empty(self.q_size + 2 * self.kv_size, hidden_size)
         self.bias = _empty(self.q_size + 2 * self.kv_size) if bias else None
+
+    @property
+    def projection_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -55,10 +57,13 @@ class MergedColumnLinear(PackableLinear):
         self.splits = [balanced_split(n, group.world_size, group.rank) for n in out_features]
         self.offsets = [sum(size for _, size in self.splits[:i]) for i in range(len(self.splits))]
         local = sum(size for _, size in self.splits)
-        self.num_projections = len(out_features)
         self.in_features, self.out_features = in_features, local
         self.weight = _empty(local, in_features)
         self.bias = _empty(local) if bias else None
+
+    @property
+    def projection_sizes(self) -> list[int]:
+        return [size for _, size in self.splits]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

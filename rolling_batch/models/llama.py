@@ -173,13 +173,7 @@ class LlamaForCausalLM(nn.Module):
             linear = modules[fused.removesuffix(".")]
             if linear.lora is None:
                 linear.lora = LoraSlots(
-                    linear,
-                    linear.num_projections,
-                    num_slots,
-                    max_rank,
-                    step,
-                    weight.dtype,
-                    weight.device,
+                    linear, num_slots, max_rank, step, weight.dtype, weight.device
                 )
             targets[name] = (linear.lora, projection)
         return targets

@@ -239,3 +239,70 @@ def test_isa_is_read_from_cpu_flags():
     flags = "flags\t: avx2 fma f16c avx512f avx512bw avx512vl avx512dq\n"
     assert cpu_native.cpu_isa(flags) == "avx512"
     assert cpu_native.cpu_isa("flags\t: fpu sse2 sse4_2\n") is None
+
+
+def lora_case(dtype, outputs=(48, 16, 16), num_slots=4, rank=8, tokens=23, seed=0):
+    """A fused linear's output, input and stacked adapters, with tokens in segments of uneven
+    lengths (several slots, one token alone, base-model tokens left out)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    width = len(outputs) * rank
+    a, bs = rand(num_slots * width, 32), [rand(size, num_slots * rank) for size in outputs]
+    starts = [sum(outputs[:index]) for index in range(len(outputs))]
+    token_slot = torch.randint(-1, num_slots, (tokens,), generator=generator)
+    token_slot[0] = num_slots - 1  # a slot of its own token
+    segments = {
+        s: (token_slot == s).nonzero()[:, 0] for s in range(num_slots) if (token_slot == s).any()
+    }
+    order = torch.cat(list(segments.values()))
+    lengths = [len(tokens) for tokens in segments.values()]
+    return (
+        rand(tokens, sum(outputs)),
+        rand(tokens, 32),
+        a,
+        bs,
+        starts,
+        order,
+        list(segments),
+        lengths,
+        rank,
+        token_slot,
+    )
+
+
+def lora_per_token(out, x, a, bs, starts, token_slot, rank):
+    """Each token through its own adapter, one at a time: what the segments must add up to."""
+    out = out.float().clone()
+    width = len(bs) * rank
+    for token, slot in enumerate(token_slot.tolist()):
+        if slot < 0:
+            continue
+        low_rank = a[slot * width : (slot + 1) * width].float() @ x[token].float()
+        for index, (b, start) in enumerate(zip(bs, starts)):
+            part = low_rank[index * rank : (index + 1) * rank]
+            out[token, start : start + b.shape[0]] += (
+                b[:, slot * rank : (slot + 1) * rank].float() @ part
+            )
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
+def test_lora_segments_match_each_token_through_its_own_adapter(native, dtype):
+    from lmserve.kernels.lora_segments import lora_add_reference
+
+    if dtype != torch.float32 and not cpu_native.cpu_has_native_bf16():
+        pytest.skip("bf16/fp16 matmuls are emulated here")
+    *args, token_slot = lora_case(dtype)
+    out, x, a, bs, starts, order, slots, lengths, rank = args
+    expected = lora_per_token(out, x, a, bs, starts, token_slot, rank)
+    reference, native_out = out.clone(), out.clone()
+    lora_add_reference(reference, x, a, bs, starts, order, slots, lengths, rank)
+    native.lora_add_(native_out, x, a, bs, starts, order, slots, lengths, rank)
+    scale = expected.abs().max()
+    close(reference / scale, expected / scale, dtype)
+    close(native_out / scale, expected / scale, dtype)
+    untouched = token_slot < 0
+    assert torch.equal(native_out[untouched], out[untouched])  # base-model tokens: nothing added
