@@ -21,7 +21,7 @@ from lmserve.properties.javaprops import parse_properties
 
 from . import loadgen, report, soak
 from .serving import running_server
-from .workload import Lengths, PromptBuilder, plan
+from .workload import Lengths, PromptBuilder, plan, spread_over_adapters
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="conversations of this many turns, each resending the history (prefix caching);"
         " use --concurrency num-requests/turns so each turn follows its previous one",
     )
+    parser.add_argument(
+        "--adapters",
+        type=lambda text: [name for name in text.split(",") if name],
+        default=[],
+        metavar="NAME[,NAME...]",
+        help="LoRA adapters the requests name, in turn (default: the base model)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", type=Path, help="model dir with tokenizer.json")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -83,9 +90,11 @@ def run(args: argparse.Namespace) -> int:
         args.shared_prefix,
         args.turns,
     )
+    planned = spread_over_adapters(planned, args.adapters)
     arrival = describe_arrival(args.qps, args.concurrency)
     shared = f" after a shared {args.shared_prefix}-token prefix" if args.shared_prefix else ""
     turns = f", conversations of {args.turns} turns" if args.turns > 1 else ""
+    turns += f", over {len(args.adapters)} LoRA adapters" if args.adapters else ""
     title = args.title or (
         f"{args.num_requests} requests ({arrival}{turns}), input {args.input_len}{shared}, "
         f"output {args.output_len} tokens"

@@ -70,7 +70,7 @@ def _one(url: str, api: str, request: PlannedRequest, model: str | None, result,
     sent = time.monotonic()
     if api == "openai":
         body = {
-            "model": model,
+            "model": request.adapter or model,  # an adapter's name is its model name
             "prompt": request.prompt,
             "max_tokens": request.output_tokens,
             "ignore_eos": True,
@@ -82,6 +82,8 @@ def _one(url: str, api: str, request: PlannedRequest, model: str | None, result,
     else:
         parameters = {"max_new_tokens": request.output_tokens, "ignore_eos_token": True}
         body = {"inputs": request.prompt, "parameters": parameters, "stream": True}
+        if request.adapter is not None:
+            body["adapters"] = request.adapter
         path = "/invocations"
     with requests.post(url + path, json=body, stream=True, timeout=3600) as response:
         if response.status_code != 200:

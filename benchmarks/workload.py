@@ -5,6 +5,7 @@ or conversations whose every turn resends the turns before it."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ class PlannedRequest:
     input_tokens: int
     output_tokens: int
     send_at: float  # seconds after the start
+    adapter: str | None = None  # the LoRA adapter asked for (None: the base model)
 
 
 class PromptBuilder:
@@ -100,3 +102,15 @@ def plan(
         if qps is not None:
             clock += rng.expovariate(qps)
     return planned
+
+
+def spread_over_adapters(
+    planned: list[PlannedRequest], adapters: list[str]
+) -> list[PlannedRequest]:
+    """The requests with the LoRA `adapters` taken in turn (none: as planned, the base model)."""
+    if not adapters:
+        return planned
+    return [
+        dataclasses.replace(request, adapter=adapters[index % len(adapters)])
+        for index, request in enumerate(planned)
+    ]

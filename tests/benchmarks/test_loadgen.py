@@ -30,6 +30,7 @@ class _FakeServer(ThreadingHTTPServer):
         self.in_flight = 0
         self.max_in_flight = 0
         self.changed = threading.Condition()
+        self.bodies: list[dict] = []
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -37,6 +38,7 @@ class _Handler(BaseHTTPRequestHandler):
         server: _FakeServer = self.server
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with server.changed:
+            server.bodies.append(body)
             server.in_flight += 1
             server.max_in_flight = max(server.max_in_flight, server.in_flight)
             server.changed.notify_all()
@@ -136,3 +138,27 @@ def test_openai_requests_carry_the_extra_fields_a_peer_server_needs():
     for path, body in server.bodies:
         assert path == "/v1/completions"
         assert body["logit_bias"] == {"2": -100.0} and body["ignore_eos"] is True
+
+
+def test_requests_spread_over_adapters_name_them_in_either_api():
+    """`--adapters a,b`: requests take the adapters in turn, as LMI's `adapters` field or as
+    OpenAI's `model`."""
+    from lmserve.benchmarks.workload import spread_over_adapters
+
+    spread = spread_over_adapters(planned(3), ["a", "b"])
+    assert [p.adapter for p in spread] == ["a", "b", "a"]
+    assert spread_over_adapters(planned(2), []) == planned(2)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _OpenAIHandler)
+    server.bodies = []
+    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        loadgen.run(url, "openai", spread, "base", 1)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [body["model"] for _, body in server.bodies] == ["a", "b", "a"]
+    with fake_server(hold_for=1) as (lmi_server, url):
+        loadgen.run(url, "lmserve", spread[:2], None, 1)
+    assert [body.get("adapters") for body in lmi_server.bodies] == ["a", "b"]
