@@ -8,11 +8,13 @@ distribution after repetition penalty, temperature, top-k and top-p. A prompt's 
 from the model's raw distribution, in one extra forward pass run only when some row asks.
 
 With option.enable_lora the model carries PEFT LoRA adapters (handlers/hf_lora.py); a batch's
-requests share one adapter, active for its `generate` and its prompt log-probs alike.
+requests share one adapter, active for its `generate` and its prompt log-probs alike. Adapters
+are added and removed between batches (the management API; handlers/hf_work.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Mapping
@@ -24,12 +26,12 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lmserve.rolling_batch.eos_tokens import eos_token_ids
-from lmserve.rolling_batch.lora_adapters import ADAPTERS_DIR
+from lmserve.rolling_batch.lora_adapters import ADAPTERS_DIR, find_adapters
 from lmserve.rolling_batch.model_loader import load_hf_config, resolve_dtype
 from lmserve.rolling_batch.protocol import GenerationParams, TopLogprobs, adapter_refusal
 from lmserve.rolling_batch.quantized_checkpoint import quantization_config
 
-from .hf_lora import active_adapter, attach_adapters
+from . import hf_lora
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class HFEngine:
         device: str,
         eos_token_ids: set[int],
         adapters: Mapping[str, str] | None = None,
+        max_lora_rank: int = 16,
+        adapter_folders: Mapping[str, Path] | None = None,
     ):
         self.model = model
         self.device = device
@@ -63,8 +67,11 @@ class HFEngine:
         self.eos_token_ids = eos_token_ids
         pad = model.generation_config.pad_token_id
         self.pad_token_id = pad if pad is not None else min(self.eos_token_ids, default=0)
-        # The LoRA adapters served, {name: PEFT's name for it}; None: LoRA is off.
-        self.adapters = adapters
+        # The LoRA adapters on the model, {name: PEFT's name for it}; None: LoRA is off.
+        self.adapters = None if adapters is None else dict(adapters)
+        self.adapter_folders = dict(adapter_folders or {})  # {name: the folder it came from}
+        self.max_lora_rank = max_lora_rank
+        self._peft_numbers = itertools.count(len(self.adapters or ()))
 
     @classmethod
     def load(
@@ -85,12 +92,25 @@ class HFEngine:
         )
         torch_dtype = resolve_dtype(dtype, model.dtype, device)
         model = model.to(device=device, dtype=torch_dtype).eval()
-        adapters = None
+        adapters, folders = None, {}
         if enable_lora:
-            folder = Path(adapters_dir or Path(model_path) / ADAPTERS_DIR)
-            model, adapters = attach_adapters(model, folder, max_lora_rank)
+            folders = find_adapters(adapters_dir or Path(model_path) / ADAPTERS_DIR)
+            model, adapters = hf_lora.attach_adapters(model, folders, max_lora_rank)
         eos = eos_token_ids(model_path, trust_remote_code=trust_remote_code)
-        return cls(model, device, eos, adapters)
+        return cls(model, device, eos, adapters, max_lora_rank, folders)
+
+    def add_adapter(self, name: str, folder: Path) -> None:
+        """Serves the adapter in `folder` as `name` from the next batch on; raises
+        AdapterError, nothing changed, when it cannot be served. Only between batches."""
+        peft_name = hf_lora.peft_adapter_name(next(self._peft_numbers))
+        self.model = hf_lora.add_adapter(self.model, name, folder, self.max_lora_rank, peft_name)
+        self.adapters[name] = peft_name
+        self.adapter_folders[name] = folder
+
+    def remove_adapter(self, name: str) -> None:
+        """Takes the adapter `name` off the model. Only between batches."""
+        self.model = hf_lora.remove_adapter(self.model, self.adapters.pop(name))
+        del self.adapter_folders[name]
 
     @torch.inference_mode()
     def generate(
@@ -109,7 +129,7 @@ class HFEngine:
             raise ValueError(refusal.message)
         if not self.adapters:
             return nullcontext()  # no PEFT: the model is the base model
-        return active_adapter(self.model, None if name is None else self.adapters[name])
+        return hf_lora.active_adapter(self.model, None if name is None else self.adapters[name])
 
     def _generate(
         self, prompts: list[list[int]], params: list[GenerationParams]

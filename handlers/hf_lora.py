@@ -12,55 +12,89 @@ run. The switch is process state: safe because one thread runs the batches, one 
 
 Each adapter is first read by the rolling batch's own checks (rolling_batch/lora_adapters.py),
 so both engines refuse the same adapters (DoRA, trained biases, modules_to_save, too high a
-rank, ...) with the same message naming the adapter, at start. Every adapter stays loaded: its
-weights are small next to the model's, a batch uses at most one (option.max_loras is always
-met), and option.max_cpu_loras, the rolling batch's cache of adapters, has nothing to bound.
+rank, ...) with the same message naming the adapter, at start or when registered through the
+management API. Every adapter stays loaded until it is unregistered: its weights are small next
+to the model's, a batch uses at most one (option.max_loras is always met), and
+option.max_cpu_loras, the rolling batch's cache of adapters, has nothing to bound. PEFT wraps the
+model at the first adapter and is taken off again with the last one (a PeftModel left with no
+adapter cannot run).
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import torch
 
-from lmserve.rolling_batch.lora_adapters import TARGETS, find_adapters, load_adapter
+from lmserve.rolling_batch.lora_adapters import TARGETS, AdapterError, load_adapter
 
 log = logging.getLogger(__name__)
 
 
-def attach_adapters(model, folder: Path, max_rank: int) -> tuple[torch.nn.Module, dict]:
-    """(the model with every adapter in the adapters folder `folder` through PEFT, {served name:
-    PEFT's name for it}); the model as it was when there are none."""
-    sources = find_adapters(folder)
+def attach_adapters(
+    model, sources: dict[str, Path], max_rank: int
+) -> tuple[torch.nn.Module, dict[str, str]]:
+    """(the model with the adapters `sources` ({served name: folder}) on it through PEFT,
+    {served name: PEFT's name for it}); the model as it was when there are none."""
     shapes = adaptable_linears(model)
     for name, source in sources.items():
         # Checked before PEFT reads anything: a refused adapter fails start-up by its name.
         load_adapter(name, source, max_rank, shapes, model.dtype)
     # PEFT keeps adapters in a ModuleDict, whose keys may not hold a "." (a served name such as
     # "llama-3.1-sql" may): PEFT knows each adapter by its position instead.
-    peft_names = {name: f"adapter{index}" for index, name in enumerate(sources)}
+    peft_names = {name: peft_adapter_name(index) for index, name in enumerate(sources)}
     for name, source in sources.items():
         model = _load_into(model, source, peft_names[name])
     log.info(
-        "LoRA: %d adapter(s) in %s loaded through PEFT: %s",
-        len(sources),
-        folder,
-        ", ".join(sources) or "none",
+        "LoRA: %d adapter(s) loaded through PEFT: %s", len(sources), ", ".join(sources) or "none"
     )
     return model, peft_names
+
+
+def peft_adapter_name(number: int) -> str:
+    """PEFT's name for the `number`th adapter loaded (numbers are never reused)."""
+    return f"adapter{number}"
+
+
+def add_adapter(model, name: str, folder: Path, max_rank: int, peft_name: str):
+    """The model with the adapter in `folder` on it as `peft_name`, checked as at start first:
+    raises AdapterError, the model unchanged, when it cannot be served."""
+    load_adapter(name, folder, max_rank, adaptable_linears(model), model.dtype)
+    try:
+        return _load_into(model, folder, peft_name)
+    except Exception as error:  # noqa: BLE001 - what PEFT cannot read is the adapter's fault
+        if peft_name in getattr(model, "peft_config", {}):
+            model.delete_adapter(peft_name)  # half loaded
+        raise AdapterError(name, f"PEFT could not load it: {error}") from None
+
+
+def remove_adapter(model, peft_name: str):
+    """The model without the adapter `peft_name`: the plain model again when it was the last."""
+    if list(model.peft_config) == [peft_name]:
+        return model.unload()  # PEFT's layers off, nothing merged
+    with warnings.catch_warnings():
+        # PEFT warns when the active adapter goes; every batch sets its own anyway.
+        warnings.filterwarnings("ignore", "Adapter .* was active which is now deleted")
+        model.delete_adapter(peft_name)
+    return model
 
 
 def adaptable_linears(model) -> dict[str, tuple[int, int]]:
     """{HF module name: (out, in)} of the model's linears an adapter may modify: for the Llama
     family exactly `lora_adapters.linear_shapes(config)`, read off the model so another
-    architecture's adapters are refused by the checks rather than crash them."""
+    architecture's adapters are refused by the checks rather than crash them. Under PEFT, read
+    off the model it wraps (a linear an adapter modifies is PEFT's layer around it)."""
+    if hasattr(model, "peft_config"):
+        model = model.get_base_model()
     return {
         name: (module.out_features, module.in_features)
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS
+        if name.rsplit(".", 1)[-1] in TARGETS
+        and isinstance(getattr(module, "base_layer", module), torch.nn.Linear)
     }
 
 

@@ -1,17 +1,21 @@
 """engine=Python's built-in work: batches of token ids through HF transformers' `generate`.
 
 Requests batch by their generation parameters, the LoRA adapter among them; one naming an
-adapter that is not served is refused before it is queued. A failing batch is retried request
-by request, so one bad request cannot fail its neighbours; a request that fails alone gets 424
-(507 when out of memory)."""
+adapter that is not served (or unregistered) is refused before it is queued. The adapters are
+the management API's to change, as in the rolling batch (rolling_batch/adapter_registry.py);
+the engine loop answers its commands between batches, so the model changes only then. A failing
+batch is retried request by request, so one bad request cannot fail its neighbours; a request
+that fails alone gets 424 (507 when out of memory)."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
 from lmserve.rolling_batch import protocol
+from lmserve.rolling_batch.adapter_registry import ServedAdapters
 
 from .dynamic_batcher import PendingRequest, Send
 from .hf_engine import HFEngine
@@ -25,6 +29,8 @@ class HFGenerateWork:
     def __init__(self, engine: HFEngine):
         self.engine = engine
         self.num_failed = 0
+        # The LoRA adapters served; None: LoRA is off.
+        self.adapters = None if engine.adapters is None else PeftAdapters(engine)
 
     def batch_key(self, message: protocol.GenerateRequest) -> tuple:
         return message.params.batch_key()
@@ -32,7 +38,7 @@ class HFGenerateWork:
     def refusal(self, message: protocol.GenerateRequest) -> protocol.ErrorEvent | None:
         # A LoRA adapter that is not served (or LoRA off) is refused, never answered by the
         # base model.
-        return protocol.adapter_refusal(message.id, message.params.adapter, self.engine.adapters)
+        return protocol.adapter_refusal(message.id, message.params.adapter, self.adapters)
 
     def run(self, batch: list[PendingRequest], send: Send) -> int:
         """Answers every request of `batch`; the sizes of the batches that ran, summed."""
@@ -70,3 +76,21 @@ class HFGenerateWork:
             request.reply_to,
             protocol.ErrorEvent(request.request_id, status, f"{type(error).__name__}: {error}"),
         )
+
+
+class PeftAdapters(ServedAdapters):
+    """engine=Python's adapters: put on the model through PEFT when registered, taken off when
+    unregistered and no queued request uses them anymore."""
+
+    def __init__(self, engine: HFEngine):
+        super().__init__({name: str(folder) for name, folder in engine.adapter_folders.items()})
+        self.engine = engine
+
+    def _load(self, name: str, folder: Path) -> None:
+        self.engine.add_adapter(name, folder)
+        log.info("LoRA adapter %s registered from %s", name, folder)
+
+    def _drop(self, names: set[str]) -> None:
+        for name in sorted(names):
+            self.engine.remove_adapter(name)
+            log.info("LoRA adapter %s unregistered and taken off the model", name)

@@ -1,9 +1,11 @@
-"""Rank 0's record of the LoRA adapters served, for admission and the adapter management API.
+"""The record of the LoRA adapters an engine serves, for admission and the adapter management
+API: `ServedAdapters`, shared by both engines (names, statuses, messages), and rank 0's
+`AdapterRegistry` for the rolling batch.
 
-Registering reads the adapter on rank 0 first (what cannot be served is refused then, by name)
-and then tells every other rank where it is, ahead of any step that uses it. Unregistering
-stops new requests for the adapter at once; the ranks drop it when no request uses it anymore,
-so requests already running finish with it.
+Registering reads the adapter first (what cannot be served is refused then, by name). In the
+rolling batch rank 0 then tells every other rank where it is, ahead of any step that uses it.
+Unregistering stops new requests for the adapter at once; the engine drops it when no request
+uses it anymore, so requests already queued or running finish with it.
 """
 
 from __future__ import annotations
@@ -11,22 +13,23 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import protocol
 from .lora_adapters import AdapterError
-from .lora_manager import LoraManager
+
+if TYPE_CHECKING:  # engine=Python imports this module without the rolling batch's layers
+    from .lora_manager import LoraManager
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-class AdapterRegistry:
-    """The served adapters' names (a collection: `name in registry`), and where each came
-    from."""
+class ServedAdapters:
+    """The served adapters' names (a collection: `name in adapters`), and where each came
+    from. How an adapter is loaded and dropped is the engine's: `_load` and `_drop`."""
 
-    def __init__(self, lora: LoraManager, share: Callable[[dict[str, str]], None]):
-        self.lora = lora
-        self.share = share  # sends the ranks the new {name: folder} of every adapter
-        self.srcs = {name: str(path) for name, path in lora.sources.items()}
+    def __init__(self, srcs: dict[str, str]):
+        self.srcs = dict(srcs)
         self.retiring: set[str] = set()  # unregistered, still used by requests
 
     def __contains__(self, name: object) -> bool:
@@ -47,30 +50,26 @@ class AdapterRegistry:
             raise AdapterError(name, "a name is 1-128 letters, digits, '.', '_' or '-'")
         if name in self.srcs:
             raise KeyError(f"adapter {name!r} is already registered; unregister it first")
-        self.lora.add(name, Path(path))
+        self._load(name, Path(path))
         self.srcs[name] = src
-        self.share(self._folders())
 
     def unregister(self, name: str, in_use: set[str]) -> None:
         self.retiring.add(name)
         self.retire_unused(in_use)
 
     def retire_unused(self, in_use: set[str]) -> None:
-        """Drops the unregistered adapters no request uses anymore, on every rank."""
+        """Drops the unregistered adapters no request uses anymore."""
         gone = self.retiring - in_use
         if not gone:
             return
         for name in gone:
             del self.srcs[name]
         self.retiring -= gone
-        self.lora.set_sources(self._folders())
-        self.share(self._folders())
-
-    def _folders(self) -> dict[str, str]:
-        return {name: str(path) for name, path in self.lora.sources.items() if name in self.srcs}
+        self._drop(gone)
 
     def answer(self, command: protocol.AdapterCommand, in_use: set[str]) -> protocol.Event:
-        """The engine's answer to a management command."""
+        """The engine's answer to a management command; `in_use`: the adapters of the requests
+        queued or running."""
         name = command.name or ""
         if command.action == "list":
             return protocol.AdaptersEvent(command.id, [self.describe(n) for n in self])
@@ -89,6 +88,35 @@ class AdapterRegistry:
             self.unregister(name, in_use)
             return protocol.AdaptersEvent(command.id, [described])
         return protocol.ErrorEvent(command.id, 400, f"unknown adapter action {command.action!r}")
+
+    def _load(self, name: str, folder: Path) -> None:
+        """Makes the adapter in `folder` servable as `name`, or raises AdapterError and changes
+        nothing."""
+        raise NotImplementedError
+
+    def _drop(self, names: set[str]) -> None:
+        """Forgets the adapters `names` (no request uses them)."""
+        raise NotImplementedError
+
+
+class AdapterRegistry(ServedAdapters):
+    """Rank 0's: every rank knows the same adapters, each reading them itself."""
+
+    def __init__(self, lora: LoraManager, share: Callable[[dict[str, str]], None]):
+        super().__init__({name: str(path) for name, path in lora.sources.items()})
+        self.lora = lora
+        self.share = share  # sends the ranks the new {name: folder} of every adapter
+
+    def _load(self, name: str, folder: Path) -> None:
+        self.lora.add(name, folder)
+        self.share(self._folders())
+
+    def _drop(self, names: set[str]) -> None:
+        self.lora.set_sources({n: f for n, f in self._folders().items() if n not in names})
+        self.share(self._folders())
+
+    def _folders(self) -> dict[str, str]:
+        return {name: str(path) for name, path in self.lora.sources.items()}
 
 
 def lora_off_answer(command: protocol.AdapterCommand) -> protocol.Event:

@@ -14,6 +14,7 @@ TINY_ADAPTERS = {
     "everything": ("all-linear", 8, 16, False),
     "mlp-rs": (["k_proj", "o_proj", "up_proj", "down_proj"], 4, 8, True),
 }
+LATE_ADAPTER = (["q_proj", "k_proj", "down_proj"], 4, 16, False)
 
 
 def save_adapter(
@@ -49,6 +50,22 @@ def save_adapters(model_dir: Path, adapters: dict = TINY_ADAPTERS) -> list[str]:
     for seed, (name, spec) in enumerate(adapters.items(), start=1):
         save_adapter(model_dir, name, *spec, seed=seed)
     return list(adapters)
+
+
+def save_late_adapter(model_dir: Path, root: Path) -> Path:
+    """An adapter for the management API to register while serving, saved outside the model
+    dir as `root/late`: alpha large enough for it to change what the tiny model says."""
+    return save_adapter(model_dir, "late", *LATE_ADAPTER, seed=11, folder=root / "late")
+
+
+def tiny_model_with_adapters(folder: Path, smollm2_dir: Path) -> Path:
+    """The tiny random Llama, wide enough for the test adapters to change what it says, with
+    TINY_ADAPTERS in its adapters/ folder."""
+    from .conftest import save_tiny_llama
+
+    save_tiny_llama(folder, smollm2_dir, intermediate_size=96, hidden_size=64)
+    save_adapters(folder)
+    return folder
 
 
 def peft_model(model_dir: Path, name: str | None, merged: bool = False, folder=None):

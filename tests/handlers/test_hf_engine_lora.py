@@ -24,9 +24,8 @@ from lmserve.rolling_batch.model_loader import load_hf_config
 from lmserve.rolling_batch.protocol import GenerationParams
 from lmserve.rolling_batch.runtime import Runtime
 
-from ..conftest import save_tiny_llama
 from ..hf_reference import VARIED_PROMPTS, assert_same_or_near_tie, hf_greedy_alone
-from ..lora_adapters import TINY_ADAPTERS, peft_model, save_adapters
+from ..lora_adapters import TINY_ADAPTERS, peft_model, tiny_model_with_adapters
 
 MAX_NEW_TOKENS = 10
 PROMPTS = VARIED_PROMPTS[:4]
@@ -37,11 +36,7 @@ ORDER = ["attn", None, "everything", "mlp-rs", None, "attn"]
 
 @pytest.fixture(scope="module")
 def lora_model_dir(smollm2_dir, tmp_path_factory):
-    folder = save_tiny_llama(
-        tmp_path_factory.mktemp("tiny-lora"), smollm2_dir, intermediate_size=96, hidden_size=64
-    )
-    save_adapters(folder)
-    return folder
+    return tiny_model_with_adapters(tmp_path_factory.mktemp("tiny-lora"), smollm2_dir)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from ..container.s3_server import s3, s3_server, upload_folder  # noqa: F401
 from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
-from ..lora_adapters import TINY_ADAPTERS, peft_model, save_adapter, save_adapters
+from ..lora_adapters import TINY_ADAPTERS, peft_model, save_adapter, tiny_model_with_adapters
 from ..servers import Server, write_properties
 
 MAX_NEW_TOKENS = 10
@@ -25,13 +25,7 @@ LATE = (["q_proj", "k_proj", "down_proj"], 4, 8, False)  # adapters registered w
 
 @pytest.fixture(scope="module")
 def model_dir(smollm2_dir, tmp_path_factory):
-    from ..conftest import save_tiny_llama
-
-    folder = save_tiny_llama(
-        tmp_path_factory.mktemp("lora-server"), smollm2_dir, intermediate_size=96, hidden_size=64
-    )
-    save_adapters(folder)
-    return folder
+    return tiny_model_with_adapters(tmp_path_factory.mktemp("lora-server"), smollm2_dir)
 
 
 @pytest.fixture(scope="module")
@@ -218,21 +212,28 @@ def _wait_until_running(server, timeout: float = 60.0) -> None:
     raise AssertionError("the request never started running")
 
 
-def test_metrics_count_requests_and_tokens_per_adapter(server):
-    def counts():
-        text = requests.get(f"{server.url}/metrics", timeout=30).text
-        found = {}
-        for line in text.splitlines():
-            if line.startswith(("lmserve_adapter_requests_total", "lmserve_adapter_tokens_total")):
-                name, value = line.rsplit(" ", 1)
-                found[name.split("{")[0], name.split('adapter="')[1].split('"')[0]] = float(value)
-        return found
+def adapter_metrics(server) -> dict[tuple[str, str], float]:
+    """{(metric, adapter): value} of the per-adapter counters on /metrics."""
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(("lmserve_adapter_requests_total", "lmserve_adapter_tokens_total")):
+            name, value = line.rsplit(" ", 1)
+            found[name.split("{")[0], name.split('adapter="')[1].split('"')[0]] = float(value)
+    return found
 
-    before = counts()
+
+def metric_changes(before: dict, after: dict) -> dict:
+    return {
+        key: value - before.get(key, 0) for key, value in after.items() if value != before.get(key)
+    }
+
+
+def test_metrics_count_requests_and_tokens_per_adapter(server):
+    before = adapter_metrics(server)
     response = generate(server, PROMPTS[0], "mlp-rs")
     assert response.status_code == 200
-    after = counts()
-    requests_key = ("lmserve_adapter_requests_total", "mlp-rs")
-    tokens_key = ("lmserve_adapter_tokens_total", "mlp-rs")
-    assert after[requests_key] - before.get(requests_key, 0) == 1
-    assert after[tokens_key] - before.get(tokens_key, 0) == len(token_ids(response.json()))
+    assert metric_changes(before, adapter_metrics(server)) == {
+        ("lmserve_adapter_requests_total", "mlp-rs"): 1,
+        ("lmserve_adapter_tokens_total", "mlp-rs"): len(token_ids(response.json())),
+    }
