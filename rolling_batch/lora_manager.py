@@ -101,25 +101,25 @@ class LoraManager:
         return adapter
 
     def prepare(self, chunks: list[SequenceChunk]) -> None:
-        """Puts the step's adapters in slots and lists their tokens by slot for every LoRA
-        linear (LoraStep; no list when no chunk names an adapter)."""
+        """Puts the step's adapters in slots and lists the segments of consecutive tokens of
+        one adapter for every LoRA linear (LoraStep; none when no chunk names an adapter)."""
         step = self.step
+        step.slots, step.token_starts, step.lengths = [], [], []
         names = list(dict.fromkeys(chunk.adapter for chunk in chunks if chunk.adapter))
         if not names:
-            step.order = None
             return
         slot_of = self._place(names)
-        tokens_of: dict[int, list[int]] = {}
-        first = 0
+        first, previous = 0, None
         for chunk in chunks:
-            if chunk.adapter:
-                tokens = range(first, first + len(chunk.token_ids))
-                tokens_of.setdefault(slot_of[chunk.adapter], []).extend(tokens)
-            first += len(chunk.token_ids)
-        step.slots = list(tokens_of)
-        step.lengths = [len(tokens) for tokens in tokens_of.values()]
-        order = [token for tokens in tokens_of.values() for token in tokens]
-        step.order = torch.tensor(order, dtype=torch.int64, device=self._linears[0].a.device)
+            length = len(chunk.token_ids)
+            if chunk.adapter and chunk.adapter == previous:
+                step.lengths[-1] += length  # the chunk before had this adapter: one segment
+            elif chunk.adapter:
+                step.slots.append(slot_of[chunk.adapter])
+                step.token_starts.append(first)
+                step.lengths.append(length)
+            previous = chunk.adapter
+            first += length
 
     def _place(self, names: list[str]) -> dict[str, int]:
         """{adapter: slot} for this step's adapters: those already in a slot stay; the others

@@ -114,6 +114,8 @@ class Scheduler:
             out.num_joined += 1
             self._add_chunk(out, request, num_new)
         self.waiting.extendleft(reversed(passed_over))
+        if self.max_loras is not None:
+            _group_by_adapter(out)
         return out
 
     def _adapter_fits(self, request: Request) -> bool:
@@ -229,6 +231,14 @@ class Scheduler:
         assert len(self.running) <= self.max_running
         assert all(r.status == RUNNING for r in self.running)
         assert all(r.status == WAITING and not r.block_ids for r in self.waiting)
+
+
+def _group_by_adapter(out: SchedulerOutput) -> None:
+    """Puts the step's sequences of one LoRA adapter side by side (the base model's first, the
+    order kept otherwise): the model then runs one segment an adapter (layers/lora.py)."""
+    order = sorted(range(len(out.chunks)), key=lambda i: out.chunks[i].adapter or "")
+    out.requests = [out.requests[i] for i in order]
+    out.chunks = [out.chunks[i] for i in order]
 
 
 def _prompt_scoring(request: Request, start: int, num_new: int) -> dict:

@@ -58,7 +58,7 @@ class PackableLinear(nn.Module):
             out = nn.functional.linear(x, self.weight, bias)
         else:
             out = self.packed(x, bias)
-        if self.lora is not None and self.lora.step.order is not None:
+        if self.lora is not None and self.lora.step.slots:
             self.lora.add_to(out, x)
         return out
 

@@ -3,15 +3,16 @@
 Each linear that adapters may modify holds `max_loras` slots. A slot holds one adapter's A and B
 for each of the linear's projections (q, k and v of the fused QKV linear; gate and up; or the
 one), zero-padded to `max_lora_rank`: all slots' A stacked as one matrix [slots x projections x
-rank, in], and each projection's B as one [its outputs, slots x rank]. A step lists the tokens
-that use an adapter by slot once (LoraStep, shared by every layer); each linear then adds, for
-every slot's segment of tokens, x @ A_slot^T @ B_slot^T to those tokens' outputs
-(kernels/lora_segments.py: dense matmuls on the segments, a C++ loop on CPU). Base-model tokens
-cost nothing, and a token costs its own adapter's rank only.
+rank, in], and each projection's B as one [its outputs, slots x rank].
 
-An earlier form multiplied every token by all slots' A and B and masked the other slots' part
-away (one matmul each): on SmolLM2 with 64 decode tokens over 16 adapters a step took 1.5x the
-base model's, the segmented form 1.1x (benchmarks/README.md, LoRA).
+A step lists its segments once (LoraStep, shared by every layer): runs of consecutive tokens of
+one adapter (a run an adapter: the scheduler puts the sequences of an adapter side by side).
+Each linear then adds x_seg @ A_slot^T @ B_slot^T to every segment's outputs
+(kernels/lora_segments.py: dense matmuls on row slices, a C++ loop on CPU), a segmented LoRA
+matmul as Punica and S-LoRA compute it on GPUs. Base-model tokens cost nothing, and a token costs
+its own adapter's rank only. An earlier form multiplied every token by all the slots' A and B and
+masked the other slots' part away: its work grew with the adapters in a step
+(benchmarks/README.md, LoRA).
 
 Sharding follows the linear: a column-parallel linear has the whole A and its rows of B, a
 row-parallel one its columns of A and the whole B, so its partial LoRA output joins the partial
@@ -27,13 +28,13 @@ from lmserve.kernels.lora_segments import lora_add
 
 
 class LoraStep:
-    """What every LoRA linear reads during one step: the tokens that use an adapter, grouped by
-    slot (`order`, None when no token does: the linears then skip LoRA entirely), and each
-    group's slot and length."""
+    """What every LoRA linear reads during one step: the segments of consecutive tokens that use
+    one adapter (its slot, first token, number of tokens); none when no token uses an adapter
+    (the linears then skip LoRA entirely)."""
 
     def __init__(self):
-        self.order: torch.Tensor | None = None  # [tokens with an adapter] int64
         self.slots: list[int] = []
+        self.token_starts: list[int] = []
         self.lengths: list[int] = []
 
 
@@ -68,9 +69,8 @@ class LoraSlots:
         """Adds the step's adapters' part to the linear's output `out`, in place."""
         step = self.step
         starts = [start for start, _ in self.rows]
-        lora_add(
-            out, x, self.a, self.b, starts, step.order, step.slots, step.lengths, self.max_rank
-        )
+        segments = (step.slots, step.token_starts, step.lengths)
+        lora_add(out, x, self.a, self.b, starts, *segments, self.max_rank)
 
     def clear(self, slot: int) -> None:
         width = len(self.b) * self.max_rank

@@ -241,9 +241,9 @@ def test_isa_is_read_from_cpu_flags():
     assert cpu_native.cpu_isa("flags\t: fpu sse2 sse4_2\n") is None
 
 
-def lora_case(dtype, outputs=(48, 16, 16), num_slots=4, rank=8, tokens=23, seed=0):
-    """A fused linear's output, input and stacked adapters, with tokens in segments of uneven
-    lengths (several slots, one token alone, base-model tokens left out)."""
+def lora_case(dtype, outputs=(48, 16, 16), num_slots=4, rank=8, seed=0):
+    """A fused linear's output, input and stacked adapters, with segments of uneven lengths:
+    several slots, one token alone, a slot in two segments, base-model tokens between them."""
     generator = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -252,25 +252,13 @@ def lora_case(dtype, outputs=(48, 16, 16), num_slots=4, rank=8, tokens=23, seed=
     width = len(outputs) * rank
     a, bs = rand(num_slots * width, 32), [rand(size, num_slots * rank) for size in outputs]
     starts = [sum(outputs[:index]) for index in range(len(outputs))]
-    token_slot = torch.randint(-1, num_slots, (tokens,), generator=generator)
-    token_slot[0] = num_slots - 1  # a slot of its own token
-    segments = {
-        s: (token_slot == s).nonzero()[:, 0] for s in range(num_slots) if (token_slot == s).any()
-    }
-    order = torch.cat(list(segments.values()))
-    lengths = [len(tokens) for tokens in segments.values()]
-    return (
-        rand(tokens, sum(outputs)),
-        rand(tokens, 32),
-        a,
-        bs,
-        starts,
-        order,
-        list(segments),
-        lengths,
-        rank,
-        token_slot,
-    )
+    runs = [(2, 5), (-1, 3), (0, 1), (3, 11), (-1, 1), (2, 2)]  # (slot or -1: base, tokens)
+    token_slot = torch.tensor([slot for slot, length in runs for _ in range(length)])
+    firsts = [sum(length for _, length in runs[:index]) for index in range(len(runs))]
+    segments = [(slot, first, n) for (slot, n), first in zip(runs, firsts) if slot >= 0]
+    slots, token_starts, lengths = (list(column) for column in zip(*segments))
+    out, x = rand(len(token_slot), sum(outputs)), rand(len(token_slot), 32)
+    return (out, x, a, bs, starts, slots, token_starts, lengths, rank), token_slot
 
 
 def lora_per_token(out, x, a, bs, starts, token_slot, rank):
@@ -295,12 +283,11 @@ def test_lora_segments_match_each_token_through_its_own_adapter(native, dtype):
 
     if dtype != torch.float32 and not cpu_native.cpu_has_native_bf16():
         pytest.skip("bf16/fp16 matmuls are emulated here")
-    *args, token_slot = lora_case(dtype)
-    out, x, a, bs, starts, order, slots, lengths, rank = args
+    (out, x, a, bs, starts, *segments, rank), token_slot = lora_case(dtype)
     expected = lora_per_token(out, x, a, bs, starts, token_slot, rank)
     reference, native_out = out.clone(), out.clone()
-    lora_add_reference(reference, x, a, bs, starts, order, slots, lengths, rank)
-    native.lora_add_(native_out, x, a, bs, starts, order, slots, lengths, rank)
+    lora_add_reference(reference, x, a, bs, starts, *segments, rank)
+    native.lora_add_(native_out, x, a, bs, starts, *segments, rank)
     scale = expected.abs().max()
     close(reference / scale, expected / scale, dtype)
     close(native_out / scale, expected / scale, dtype)

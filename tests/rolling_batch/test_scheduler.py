@@ -206,7 +206,7 @@ class PromptScoresLike(NamedTuple):
 def test_at_most_max_loras_adapters_run_and_the_others_wait_their_turn():
     """Three adapters, two slots: a request whose adapter finds no slot waits (requests behind
     it for running adapters or the base model go first), joins when an adapter leaves, and
-    every output is still right."""
+    every output is still right. Each step's sequences of one adapter sit side by side."""
     adapters = ["a", "b", "c", None, "a", "c", "b", None]
     requests = [
         Request(f"r{i}", [5 + i] * 6, GenerationParams(max_new_tokens=3 + i, adapter=adapter), i)
@@ -221,6 +221,11 @@ def test_at_most_max_loras_adapters_run_and_the_others_wait_their_turn():
         running = {r.params.adapter for r in scheduler.running} - {None}
         assert len(running) <= 2
         seen_together.append({r.request_id for r in out.requests})
+        # One run of chunks an adapter (the model computes a LoRA segment a run).
+        order = [chunk.adapter for chunk in out.chunks]
+        runs = [adapter for i, adapter in enumerate(order) if i == 0 or order[i - 1] != adapter]
+        assert len(runs) == len(set(runs)), order
+        assert [r.params.adapter for r in out.requests] == order
 
     outputs = run(scheduler, requests, on_step=check, arrivals_per_step=8)
     assert outputs == expected_outputs(fresh(requests))
