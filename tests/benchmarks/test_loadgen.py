@@ -121,19 +121,25 @@ class _OpenAIHandler(BaseHTTPRequestHandler):
         pass
 
 
-def test_openai_requests_carry_the_extra_fields_a_peer_server_needs():
-    """llama.cpp's server ignores ignore_eos: its runs send a logit_bias against EOS."""
+@contextmanager
+def fake_openai_server():
+    """A server answering every completion with one token; `.bodies` records the requests."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _OpenAIHandler)
     server.bodies = []
     thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
     thread.start()
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        extra = {"logit_bias": {"2": -100.0}}
-        _, results = loadgen.run(url, "openai", planned(2), "m", 1, openai_extra=extra)
+        yield server, f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_openai_requests_carry_the_extra_fields_a_peer_server_needs():
+    """llama.cpp's server ignores ignore_eos: its runs send a logit_bias against EOS."""
+    with fake_openai_server() as (server, url):
+        extra = {"logit_bias": {"2": -100.0}}
+        _, results = loadgen.run(url, "openai", planned(2), "m", 1, openai_extra=extra)
     assert [r.output_tokens for r in results] == [1, 1] and not any(r.error for r in results)
     for path, body in server.bodies:
         assert path == "/v1/completions"
@@ -148,16 +154,8 @@ def test_requests_spread_over_adapters_name_them_in_either_api():
     spread = spread_over_adapters(planned(3), ["a", "b"])
     assert [p.adapter for p in spread] == ["a", "b", "a"]
     assert spread_over_adapters(planned(2), []) == planned(2)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _OpenAIHandler)
-    server.bodies = []
-    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with fake_openai_server() as (server, url):
         loadgen.run(url, "openai", spread, "base", 1)
-    finally:
-        server.shutdown()
-        server.server_close()
     assert [body["model"] for _, body in server.bodies] == ["a", "b", "a"]
     with fake_server(hold_for=1) as (lmi_server, url):
         loadgen.run(url, "lmserve", spread[:2], None, 1)
