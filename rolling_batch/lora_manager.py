@@ -56,8 +56,8 @@ class LoraManager:
         return self.max_cpu_loras * self.max_rank * per_rank
 
     def load_all(self) -> None:
-        """Reads every known adapter once (the first max_cpu_loras stay loaded): an adapter
-        lmserve cannot serve fails here, at start, with its name and the reason."""
+        """Reads every known adapter once (the last max_cpu_loras read stay loaded): an
+        adapter lmserve cannot serve fails here, at start, with its name and the reason."""
         for name in self.sources:
             self.adapter(name)
 
