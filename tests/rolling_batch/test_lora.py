@@ -245,3 +245,28 @@ def test_smollm2_adapters_match_peft(smollm2_lora_dir):
         )
     for (prompt, adapter), result in zip(batch, results):
         assert_same_or_near_tie(result.token_ids, *expected[prompt, adapter])
+
+
+def test_memory_for_the_adapters_is_taken_before_the_kv_cache_is_sized(
+    lora_model_dir, monkeypatch
+):
+    """max_cpu_loras adapters of the largest rank fit what is set aside for them, and that much
+    less goes to the KV cache."""
+    from lmserve.rolling_batch import kv_cache
+    from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
+
+    budget = 64 * 2**20
+    monkeypatch.setattr(kv_cache, "memory_budget", lambda *args: budget)
+    blocks = {}
+    for enable_lora in (False, True):
+        options = RuntimeOptions(
+            dtype="fp32", max_model_len=4096, max_num_seqs=1024, enable_lora=enable_lora
+        )
+        runner, _, _ = build_runner(lora_model_dir, options, TensorParallelGroup())
+        blocks[enable_lora] = runner.num_blocks
+    lora = runner.lora
+    bytes_per_block = kv_cache.CacheShape(2, 2, 16, 16, torch.float32).bytes_per_block
+    assert blocks[False] == budget // bytes_per_block
+    assert blocks[True] == (budget - lora.cache_bytes) // bytes_per_block
+    largest = max(adapter.num_bytes for adapter in lora.loaded.values())
+    assert largest <= lora.cache_bytes / lora.max_cpu_loras
