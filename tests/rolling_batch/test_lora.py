@@ -247,9 +247,7 @@ def test_smollm2_adapters_match_peft(smollm2_lora_dir):
         assert_same_or_near_tie(result.token_ids, *expected[prompt, adapter])
 
 
-def test_memory_for_the_adapters_is_taken_before_the_kv_cache_is_sized(
-    lora_model_dir, monkeypatch
-):
+def test_memory_for_the_adapters_is_taken_before_the_kv_cache_is_sized(lora_model_dir, monkeypatch):
     """max_cpu_loras adapters of the largest rank fit what is set aside for them, and that much
     less goes to the KV cache."""
     from lmserve.rolling_batch import kv_cache
