@@ -66,7 +66,8 @@ def add_adapter_routes(app: Flask, runtime: Runtime, client: EngineClient) -> No
             return fields
         name, src = fields
         try:
-            folder = _local_folder(src, Path(runtime.model_path))
+            # Relative to the model dir (serving.properties' folder), as DJL reads paths.
+            folder = _local_folder(src, Path(runtime.user_dir or runtime.model_path))
         except (S3Error, ValueError) as error:
             return _error(400, str(error), field="src")
         answer = _ask(client, runtime, "register", name=name, src=src, path=str(folder))

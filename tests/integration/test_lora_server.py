@@ -65,6 +65,7 @@ def server(model_dir, s3_server, tmp_path_factory):  # noqa: F811
     folder = write_properties(tmp_path_factory.mktemp("lora") / "model", properties)
     cache = tmp_path_factory.mktemp("lora-cache")
     server = Server(folder, env={**s3_server.env(), "LMSERVE_CACHE_DIR": str(cache)})
+    server.model_dir = folder  # where serving.properties is: relative srcs are read from here
     server.wait_healthy()
     yield server
     assert server.stop() == 0
@@ -237,3 +238,17 @@ def test_metrics_count_requests_and_tokens_per_adapter(server):
         ("lmserve_adapter_requests_total", "mlp-rs"): 1,
         ("lmserve_adapter_tokens_total", "mlp-rs"): len(token_ids(response.json())),
     }
+
+
+def test_a_relative_src_is_read_from_the_model_dir(server, model_dir):
+    save_adapter(
+        model_dir, "near", ["v_proj"], 4, 8, False, seed=7, folder=server.model_dir / "extra"
+    )
+    adapters_url = f"{server.url}/models/{served_name(server)}/adapters"
+    response = requests.post(adapters_url, json={"name": "near", "src": "extra"}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["adapter"] == {"name": "near", "src": "extra"}
+    assert generate(server, PROMPTS[0], "near").status_code == 200
+    assert requests.delete(f"{adapters_url}/near", timeout=30).status_code == 200
+    missing = requests.post(adapters_url, json={"name": "far", "src": "nowhere"}, timeout=60)
+    assert missing.status_code == 400 and "src='nowhere'" in missing.json()["message"]
