@@ -22,6 +22,8 @@ from lmserve.rolling_batch.gguf_convert import GGUFError
 from lmserve.rolling_batch.lora_adapters import ADAPTERS_DIR, adapters_dir
 from lmserve.rolling_batch.runtime import Runtime
 
+from .cluster import ClusterError, num_hosts, resolve_cluster
+from .host_probe import check_hosts
 from .launcher import Supervisor, make_ipc_dir
 from .model_store import ModelStoreError, resolve_model, served_model_dir
 from .requirements_install import RequirementsError, install_requirements
@@ -62,11 +64,12 @@ def _read_config(model_dir: Path | None, user_handler: bool = False) -> Resolved
     gpus = count_gpus()
     if gpus:
         return load_config(model_dir, os.environ, num_devices=gpus, user_handler=user_handler)
-    # CPU: ranks are bounded by cores (one rank per core); "max" means the one CPU device.
+    # CPU: ranks are bounded by cores (one rank per core, on every host of a cluster); "max"
+    # means the one CPU device.
     return load_config(
         model_dir,
         os.environ,
-        num_devices=os.cpu_count() or 1,
+        num_devices=(os.cpu_count() or 1) * num_hosts(os.environ),
         max_tensor_parallel=1,
         user_handler=user_handler,
     )
@@ -116,8 +119,22 @@ def serve(args: argparse.Namespace) -> int:
         formatters=formatters,
         user_dir=user_dir,
         adapters_dir=_adapters_dir(config, served, model.path),
+        hosts=_hosts(config, model.path),
     )
     return Supervisor(runtime, args.host, port).run()
+
+
+def _hosts(config: ServingConfig, model_path: Path) -> list[list] | None:
+    """engine=MPI over several hosts (container/cluster.py): the hosts, each checked first."""
+    if config.engine != "MPI":
+        return None
+    cluster = resolve_cluster(os.environ, config.tensor_parallel_degree)
+    if cluster is None:
+        return None
+    check_hosts(cluster, model_path)
+    layout = ", ".join(f"{host} ({ranks} ranks)" for host, ranks in cluster.hosts)
+    log.info("engine=MPI over %d hosts from %s: %s", len(cluster.hosts), cluster.source, layout)
+    return [[host, ranks] for host, ranks in cluster.hosts]
 
 
 def _adapters_dir(config: ServingConfig, served: Path | None, model_path: Path) -> str | None:
@@ -187,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         GGUFError,
         UserCodeError,
         RequirementsError,
+        ClusterError,
     ) as error:
         log.error("%s", error)
         sys.exit(2)

@@ -19,12 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from lmserve.properties.config import ServingConfig
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.mpi_launch import engine_environment, rank_command
 from lmserve.rolling_batch.runtime import Runtime, read_state, write_state
 
 from . import gunicorn_conf
+from .cluster import Cluster
 
 log = logging.getLogger("lmserve.serve")
 
@@ -81,7 +81,7 @@ class Supervisor:
         return subprocess.Popen(command, start_new_session=True, env=env)
 
     def _start_engine(self, runtime_path: Path) -> subprocess.Popen:
-        command = engine_command(self.runtime.config, runtime_path)
+        command = engine_command(self.runtime, runtime_path)
         return self._start(command, engine_environment())
 
     def _supervise(self, runtime_path: Path) -> int:
@@ -144,7 +144,17 @@ class Supervisor:
                 _stop_group(child)
 
 
-def engine_command(config: ServingConfig, runtime_path: Path) -> list[str]:
+def engine_command(runtime: Runtime, runtime_path: Path) -> list[str]:
+    config = runtime.config
+    if config.engine == "MPI" and runtime.hosts:
+        # Ranks on other hosts cannot read the leader's files: they get the runtime inline.
+        cluster = Cluster(tuple((host, ranks) for host, ranks in runtime.hosts), "runtime")
+        return rank_command(
+            config.tensor_parallel_degree,
+            "lmserve.rolling_batch.worker",
+            runtime.to_json(),
+            cluster.mpiexec_args(),
+        )
     if config.engine == "MPI":
         return rank_command(
             config.tensor_parallel_degree, "lmserve.rolling_batch.worker", str(runtime_path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 # glibc hands freed buffers above its mmap threshold back to the OS, and the next step's
@@ -35,9 +36,13 @@ def mpiexec_path() -> str:
     return found
 
 
-def rank_command(num_ranks: int, module: str, argument: str) -> list[str]:
+def rank_command(
+    num_ranks: int, module: str, argument: str, options: Sequence[str] = ()
+) -> list[str]:
+    """`options`: mpiexec's own (the hosts of a cluster, container/cluster.py)."""
     return [
         mpiexec_path(),
+        *options,
         "-n",
         str(num_ranks),
         sys.executable,

@@ -29,12 +29,19 @@ _BUSY_POLL_S = 0.05  # after a step, poll without sleeping this long (steps come
 _IDLE_SLEEP_S = 0.001  # then sleep between polls: a blocking MPI wait spins a whole core
 
 
+def ranks_on_this_host(comm) -> int:
+    """The ranks sharing this machine's cores and memory (all of them on one host)."""
+    from mpi4py import MPI
+
+    return comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+
+
 def make_group(comm):
     if not torch.cuda.is_available():
-        # The cores are shared out between the ranks: more threads than cores (two per rank
-        # on 2 cores) measured 5-18x slower under mpiexec here.
+        # This host's cores are shared out between its ranks: more threads than cores (two
+        # per rank on 2 cores) measured 5-18x slower under mpiexec here.
         cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(max(1, cores // comm.Get_size()))
+        torch.set_num_threads(max(1, cores // ranks_on_this_host(comm)))
         # One rank: no collective to make (MPI would still copy and convert every tensor).
         return MPIGroup(comm) if comm.Get_size() > 1 else TensorParallelGroup()
     import torch.distributed as dist

@@ -3,6 +3,7 @@ directory (config, resolved model, socket paths) and the engine's state file bes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -30,6 +31,8 @@ class Runtime:
     formatters: str | None = None
     user_dir: str | None = None  # the model dir the user's code lives in (on its sys.path)
     adapters_dir: str | None = None  # where the LoRA adapters are (option.enable_lora)
+    # engine=MPI over several hosts: [address, ranks] each, the leader (this machine) first.
+    hosts: list[list] | None = None
 
     @property
     def engine_address(self) -> str:
@@ -41,23 +44,18 @@ class Runtime:
 
     def write(self) -> Path:
         path = Path(self.ipc_dir) / RUNTIME_FILE
-        payload = {
-            "config": self.config.to_dict(),
-            "model_name": self.model_name,
-            "model_path": self.model_path,
-            "model_source": self.model_source,
-            "ipc_dir": self.ipc_dir,
-            "entry_point": self.entry_point,
-            "formatters": self.formatters,
-            "user_dir": self.user_dir,
-            "adapters_dir": self.adapters_dir,
-        }
-        _write_atomically(path, json.dumps(payload))
+        _write_atomically(path, self.to_json())
         return path
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "config": self.config.to_dict()})
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> Runtime:
-        payload = json.loads(Path(path).read_text())
+        """From the file at `path`, or from `path` itself when it is the JSON (ranks on other
+        hosts, which do not see the leader's files, get it so)."""
+        text = str(path)
+        payload = json.loads(text if text.startswith("{") else Path(path).read_text())
         payload["config"] = ServingConfig.from_dict(payload["config"])
         return cls(**payload)
 

@@ -15,7 +15,7 @@ from .block_manager import BlockManager
 from .engine_loop import RollingEngine
 from .engine_setup import RuntimeOptions, build_runner
 from .eos_tokens import eos_token_ids
-from .mpi_worker import StepBroadcaster, follow, make_group
+from .mpi_worker import StepBroadcaster, follow, make_group, ranks_on_this_host
 from .runtime import Runtime, write_state
 from .sampler import Sampler
 from .scheduler import Scheduler
@@ -37,7 +37,7 @@ def main() -> None:
             runtime.model_path,
             RuntimeOptions.from_config(config, runtime.adapters_dir),
             group,
-            comm.Get_size(),
+            ranks_on_this_host(comm),
         )
     except Exception as error:
         if rank == 0:
