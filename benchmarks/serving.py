@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -14,8 +15,9 @@ import requests
 
 
 @contextmanager
-def running_server(properties: dict[str, object], port: int):
-    """Yields (base URL, seconds from start to a healthy /ping)."""
+def running_server(properties: dict[str, object], port: int, env: dict[str, str] | None = None):
+    """Yields (base URL, seconds from start to a healthy /ping); `env` adds to the server's
+    environment."""
     folder = Path(tempfile.mkdtemp())
     lines = [f"{key}={value}" for key, value in properties.items()]
     (folder / "serving.properties").write_text("\n".join(lines) + "\n")
@@ -35,6 +37,7 @@ def running_server(properties: dict[str, object], port: int):
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"
     try:

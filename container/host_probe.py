@@ -46,13 +46,14 @@ def check_hosts(cluster: Cluster, model_dir: Path, environ=os.environ) -> None:
     """Raises ClusterError naming every worker host that cannot be reached or differs."""
     expected = probe(model_dir)
     launcher = environ.get("HYDRA_LAUNCHER_EXEC") or "ssh"
+    extra = shlex.split(environ.get("HYDRA_LAUNCHER_EXTRA_ARGS", ""))  # e.g. -p 2022
     command = shlex.join([sys.executable, "-m", "lmserve.container.host_probe", str(model_dir)])
     problems = []
     for host in cluster.workers:
-        # As hydra calls its launcher: `LAUNCHER -x HOST COMMAND` (ssh: no X11 forwarding).
+        # As hydra calls its launcher: `LAUNCHER -x [EXTRA ARGS] HOST COMMAND` (-x: no X11).
         try:
             result = subprocess.run(
-                [launcher, "-x", host, command],
+                [launcher, "-x", *extra, host, command],
                 capture_output=True,
                 text=True,
                 timeout=_PROBE_TIMEOUT_S,
