@@ -40,6 +40,8 @@ class WorkerHost:
             # Namespaces share the machine's memory, and MPI's UCX would take the shortcut
             # (shared memory between the ranks); real hosts have only the network: TCP it is.
             "UCX_TLS": "tcp,self",
+            # Each "host" would take every core of the machine they share: one thread a rank.
+            "OMP_NUM_THREADS": "1",
         }
 
 

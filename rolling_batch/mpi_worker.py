@@ -39,9 +39,12 @@ def ranks_on_this_host(comm) -> int:
 def make_group(comm):
     if not torch.cuda.is_available():
         # This host's cores are shared out between its ranks: more threads than cores (two
-        # per rank on 2 cores) measured 5-18x slower under mpiexec here.
+        # per rank on 2 cores) measured 5-18x slower under mpiexec here. OMP_NUM_THREADS,
+        # when set, is the user's (or a test's: "hosts" sharing one machine) own count.
         cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(max(1, cores // ranks_on_this_host(comm)))
+        threads = os.environ.get("OMP_NUM_THREADS", "").strip()
+        per_rank = cores // ranks_on_this_host(comm)
+        torch.set_num_threads(int(threads) if threads.isdigit() else max(1, per_rank))
         # One rank: no collective to make (MPI would still copy and convert every tensor).
         return MPIGroup(comm) if comm.Get_size() > 1 else TensorParallelGroup()
     import torch.distributed as dist
