@@ -7,11 +7,6 @@ MPI goes between the ranks. Needs root and `ip netns`; skipped otherwise."""
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
-
 import pytest
 import requests
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -20,7 +15,7 @@ from lmserve.benchmarks.netns_hosts import ip, netns_usable, worker_namespace
 
 from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
 from ..servers import Server, write_properties
-from .test_rank_failure import LONG, rank_pid
+from .test_rank_failure import kill_rank_one_under_load, rank_pid
 
 pytestmark = pytest.mark.skipif(not netns_usable(), reason="needs root and `ip netns`")
 
@@ -68,21 +63,9 @@ def test_ranks_in_two_namespaces_answer_as_hf(server, tiny_model_dir):
 
 
 def test_a_lost_worker_rank_answers_every_client_within_5_s(server):
-    answers: list[requests.Response] = []
-
-    def ask():
-        answers.append(requests.post(f"{server.url}/invocations", json=LONG, timeout=60))
-
-    clients = [threading.Thread(target=ask) for _ in range(3)]
-    for client in clients:
-        client.start()
-    time.sleep(1.5)  # running in the engine now
-    os.kill(rank_pid(server, 1), signal.SIGKILL)
-    killed_at = time.monotonic()
-    for client in clients:
-        client.join(timeout=20)
+    answers, waited = kill_rank_one_under_load(server)  # rank 1: the worker host's
     assert len(answers) == 3, "a client got no answer"
-    assert time.monotonic() - killed_at < 5
+    assert waited < 5
     assert all(answer.status_code >= 500 for answer in answers)
     assert requests.get(f"{server.url}/ping", timeout=10).status_code != 200
 
