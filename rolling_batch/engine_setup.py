@@ -100,7 +100,7 @@ def build_runner(
     budget = kv_cache.memory_budget(
         device, options.gpu_memory_utilization, options.cpu_kv_cache_fraction, ranks_here
     )
-    if lora is not None:
+    if lora is not None and device.type == "cpu":
         budget = max(0, budget - lora.cache_bytes)  # adapters load into RAM as they are asked for
     useful = options.max_num_seqs * -(-max_model_len // block_size)
     if options.num_kv_blocks is not None:
