@@ -3,12 +3,14 @@ here, joined to this one by a veth pair with addresses of their own. The leader 
 namespace) runs the front end and rank 0; rank 1 runs in the worker namespace, started by
 mpiexec's launcher as over ssh (`HYDRA_LAUNCHER_EXEC`: a script that runs the command in the
 namespace named by the host's address). Hosts come from DJL Serving's variables. Nothing but
-MPI goes between the ranks. Needs root and `ip netns`; skipped otherwise."""
+MPI goes between the ranks, over TCP as between machines. The embedded SmolLM2-135M at TP=2
+answers as HF does. Needs root and `ip netns`; skipped otherwise."""
 
 from __future__ import annotations
 
 import pytest
 import requests
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmserve.benchmarks.netns_hosts import ip, netns_usable, worker_namespace
@@ -26,11 +28,11 @@ def worker_host():
         yield host
 
 
-def start(tmp_path, tiny_model_dir, env) -> Server:
+def start(tmp_path, model_dir, env) -> Server:
     properties = {
         "engine": "MPI",
         "option.tensor_parallel_degree": 2,
-        "option.model_id": tiny_model_dir,
+        "option.model_id": model_dir,
         "option.max_model_len": 4096,
         "option.dtype": "fp32",
     }
@@ -38,9 +40,10 @@ def start(tmp_path, tiny_model_dir, env) -> Server:
 
 
 @pytest.fixture(scope="module")
-def server(worker_host, tiny_model_dir, tmp_path_factory):
+def server(worker_host, smollm2_dir, tmp_path_factory):
+    """The embedded SmolLM2-135M at TP=2, rank 1 on the worker host."""
     server = start(
-        tmp_path_factory.mktemp("multi-host"), tiny_model_dir, worker_host.djl_environment()
+        tmp_path_factory.mktemp("multi-host"), smollm2_dir, worker_host.djl_environment()
     )
     server.worker_host = worker_host
     server.wait_healthy()
@@ -48,11 +51,11 @@ def server(worker_host, tiny_model_dir, tmp_path_factory):
     server.stop()
 
 
-def test_ranks_in_two_namespaces_answer_as_hf(server, tiny_model_dir):
+def test_ranks_in_two_namespaces_answer_as_hf(server, smollm2_dir):
     in_worker = set(ip("netns", "pids", server.worker_host.namespace).stdout.split())
     assert str(rank_pid(server, 1)) in in_worker and str(rank_pid(server, 0)) not in in_worker
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     for prompt in ("The capital of France is", "def fibonacci(n):"):
         body = {"inputs": prompt, "parameters": {"max_new_tokens": 12, "details": True}}
         response = requests.post(f"{server.url}/invocations", json=body, timeout=120)
