@@ -20,47 +20,44 @@ from pathlib import Path
 
 from flask import Flask, Response, jsonify, request
 
-from lmserve.handlers.interface import HandlerResponse
 from lmserve.properties.config import default_cache_dir
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
 
 from .engine_client import EngineClient
+from .http_errors import error_response, unknown_model
 from .s3_download import S3Error, download_s3_folder
 
 
 def add_adapter_routes(app: Flask, runtime: Runtime, client: EngineClient) -> None:
     served = runtime.model_name
 
-    def unknown_model(model: str) -> Response | None:
-        if model == served:
-            return None
-        return _error(404, f"model {model!r} not found; this server serves {served!r}")
-
     @app.get("/models/<model>/adapters")
     def list_adapters(model: str):
-        answer = unknown_model(model) or _ask(client, runtime, "list")
+        answer = unknown_model(model, served) or _ask(client, runtime, "list")
         if isinstance(answer, Response):
             return answer
         return jsonify({"adapters": answer})
 
     @app.get("/models/<model>/adapters/<name>")
     def describe_adapter(model: str, name: str):
-        answer = unknown_model(model) or _ask(client, runtime, "list")
+        answer = unknown_model(model, served) or _ask(client, runtime, "list")
         if isinstance(answer, Response):
             return answer
         for adapter in answer:
             if adapter["name"] == name:
                 return jsonify(adapter)
-        return _error(404, f"no LoRA adapter named {name!r}")
+        return error_response(404, f"no LoRA adapter named {name!r}")
 
     @app.post("/models/<model>/adapters")
     def register_adapter(model: str):
-        refusal = unknown_model(model)
+        refusal = unknown_model(model, served)
         if refusal is not None:
             return refusal
         if not runtime.config.enable_lora:  # before fetching anything
-            return _error(400, "LoRA adapters are off for this model (option.enable_lora=false)")
+            return error_response(
+                400, "LoRA adapters are off for this model (option.enable_lora=false)"
+            )
         fields = _fields()
         if isinstance(fields, Response):
             return fields
@@ -69,7 +66,7 @@ def add_adapter_routes(app: Flask, runtime: Runtime, client: EngineClient) -> No
             # Relative to the model dir (serving.properties' folder), as DJL reads paths.
             folder = _local_folder(src, Path(runtime.user_dir or runtime.model_path))
         except (S3Error, ValueError) as error:
-            return _error(400, str(error), field="src")
+            return error_response(400, str(error), field="src")
         answer = _ask(client, runtime, "register", name=name, src=src, path=str(folder))
         if isinstance(answer, Response):
             return answer
@@ -77,7 +74,7 @@ def add_adapter_routes(app: Flask, runtime: Runtime, client: EngineClient) -> No
 
     @app.delete("/models/<model>/adapters/<name>")
     def unregister_adapter(model: str, name: str):
-        answer = unknown_model(model) or _ask(client, runtime, "unregister", name=name)
+        answer = unknown_model(model, served) or _ask(client, runtime, "unregister", name=name)
         if isinstance(answer, Response):
             return answer
         return jsonify({"status": f"Adapter {name} unregistered", "adapter": answer[0]})
@@ -90,7 +87,9 @@ def _fields() -> tuple[str, str] | Response:
     found = {key: request.args.get(key) or values.get(key) for key in ("name", "src")}
     for key, value in found.items():
         if not isinstance(value, str) or not value:
-            return _error(400, f"{key}: missing (a query parameter or a JSON field)", field=key)
+            return error_response(
+                400, f"{key}: missing (a query parameter or a JSON field)", field=key
+            )
     return found["name"], found["src"]
 
 
@@ -112,15 +111,11 @@ def _ask(client: EngineClient, runtime: Runtime, action: str, **fields) -> list 
     try:
         event = events.get(timeout=runtime.config.predict_timeout)
     except queue.Empty:
-        return _error(503, "the engine did not answer in option.predict_timeout; retry later")
+        return error_response(
+            503, "the engine did not answer in option.predict_timeout; retry later"
+        )
     finally:
         client.finish(command.id, abort=False)
     if isinstance(event, protocol.ErrorEvent):
-        return _error(event.status, event.message)
+        return error_response(event.status, event.message)
     return event.adapters
-
-
-def _error(status: int, message: str, **extra) -> Response:
-    response = jsonify(HandlerResponse.error(status, message, **extra).json)
-    response.status_code = status
-    return response

@@ -27,6 +27,7 @@ from lmserve.rolling_batch.runtime import Runtime
 from . import metrics, model_status
 from .adapter_routes import add_adapter_routes
 from .engine_client import EngineClient
+from .http_errors import error_response, unknown_model
 
 log = logging.getLogger("lmserve.http")
 
@@ -65,18 +66,18 @@ def create_app(runtime_path: str) -> Flask:
         return response
 
     @app.errorhandler(HTTPException)
-    def http_error(error: HTTPException):
-        return _error(error.code or 500, error.description or error.name)
+    def httperror_response(error: HTTPException):
+        return error_response(error.code or 500, error.description or error.name)
 
     @app.errorhandler(RequestEntityTooLarge)
     def too_large(_: RequestEntityTooLarge):
         limit = runtime.config.max_request_size
-        return _error(413, f"request body over max_request_size ({limit} bytes)")
+        return error_response(413, f"request body over max_request_size ({limit} bytes)")
 
     @app.errorhandler(Exception)
-    def unexpected_error(error: Exception):
+    def unexpectederror_response(error: Exception):
         log.exception("request %s failed inside the front end", g.get("request_id"))
-        return _error(500, f"internal error: {type(error).__name__}")
+        return error_response(500, f"internal error: {type(error).__name__}")
 
     @app.get("/ping")
     def ping():
@@ -123,17 +124,16 @@ def create_app(runtime_path: str) -> Flask:
 
     @app.get("/models/<model>")
     def describe_model(model: str):
-        if model != name:
-            return _error(404, f"model {model!r} not found; this server serves {name!r}")
-        return jsonify(_describe(detailed=True))
+        return unknown_model(model, name) or jsonify(_describe(detailed=True))
 
     def _predict(model: str, route: Route):
-        if model != name:
-            return _error(404, f"model {model!r} not found; this server serves {name!r}")
+        refusal = unknown_model(model, name)
+        if refusal is not None:
+            return refusal
         state = client.state()
         if state["state"] != protocol.EngineState.READY:
             status = 500 if state["state"] == protocol.EngineState.FAILED else 503
-            return _error(status, f"model {name} is not ready: {state.get('reason', '')}")
+            return error_response(status, f"model {name} is not ready: {state.get('reason', '')}")
         handler_request = HandlerRequest(
             body=request.get_data(cache=False),
             content_type=request.content_type,
@@ -207,7 +207,3 @@ def _http_response(answer: HandlerResponse) -> Response:
         response.status_code = answer.status
     response.headers.update(answer.headers)
     return response
-
-
-def _error(status: int, message: str, **extra) -> Response:
-    return _http_response(HandlerResponse.error(status, message, **extra))
