@@ -51,9 +51,9 @@ class LoraSlots:
         self.linear = linear
         self.max_rank = max_rank
         self.step = step
-        # Each projection's output rows in the linear's (local) output, in order.
+        # Each projection's first output row in the linear's (local) output.
         sizes = linear.projection_sizes
-        self.rows = [(sum(sizes[:index]), size) for index, size in enumerate(sizes)]
+        self.starts = [sum(sizes[:index]) for index in range(len(sizes))]
         self.a = torch.zeros(
             num_slots * len(sizes) * max_rank, linear.in_features, dtype=dtype, device=device
         )
@@ -68,9 +68,8 @@ class LoraSlots:
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """Adds the step's adapters' part to the linear's output `out`, in place."""
         step = self.step
-        starts = [start for start, _ in self.rows]
         segments = (step.slots, step.token_starts, step.lengths)
-        lora_add(out, x, self.a, self.b, starts, *segments, self.max_rank)
+        lora_add(out, x, self.a, self.b, self.starts, *segments, self.max_rank)
 
     def clear(self, slot: int) -> None:
         width = len(self.b) * self.max_rank
@@ -94,7 +93,7 @@ class LoraSlots:
             a_local.copy_(a)
             sharded = torch.zeros(self.linear.out_features, rank, dtype=b.dtype)
             self.linear.weight_loader(sharded, b, projection)
-            start, size = self.rows[index]
+            start, size = self.starts[index], self.b[index].shape[0]
             b_local.copy_(sharded[start : start + size])
 
     def _projection_index(self, projection) -> int:
