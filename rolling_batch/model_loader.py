@@ -14,7 +14,7 @@ from lmserve.kernels.cpu_native import cpu_has_native_bf16
 from .gguf_convert import gguf_source
 from .gguf_weights import read_int4_linears, with_int4_linears
 from .layers.parallel import TensorParallelGroup
-from .layers.quantized import GROUP_SIZE, Int4Weight, Int8Weight
+from .layers.quantized import GROUP_SIZE
 from .models import model_class_for
 from .quantized_checkpoint import quantized_linears, read_quantization, unpack_int4
 
@@ -85,8 +85,6 @@ def load_model(
     when config.json has an AWQ or GPTQ `quantization_config`)."""
     checkpoint = read_quantization(hf_config, quantize)
     method = checkpoint.method if checkpoint is not None else quantize
-    if method is not None and device.type != "cpu":
-        raise ValueError(f"{method} weights are served on CPU only (this rank: {device})")
     model_class = model_class_for(hf_config)
     # Parameters are created in the serving dtype; rotary tables stay fp32 (built explicitly so).
     with _default_dtype(dtype):
@@ -104,25 +102,26 @@ def load_model(
         weights = with_int4_linears(weights, file_linears)
     model.load_weights(weights)
     model = model.to(device).eval()
-    if device.type == "cpu":
-        model.pack_for_cpu(quantize if checkpoint is None else None)
-        if method is not None:
-            _log_quantized(model, method)
+    model.pack_weights(quantize if checkpoint is None else None)
+    if method is not None:
+        _log_quantized(model, method)
     return model
 
 
 def _log_quantized(model: torch.nn.Module, quantize: str) -> None:
     packed = [getattr(module, "packed", None) for module in model.modules()]
     packed += [model.model.embed_tokens.quantized, model.lm_head_packed]
-    for kind in (Int4Weight, Int8Weight):
-        weights = {id(w): w for w in packed if isinstance(w, kind)}.values()  # tied: once
+    for bits in (4, 8):
+        # A tied LM head shares the embedding's weight: counted once.
+        weights = {id(w): w for w in packed if getattr(w, "bits", None) == bits}.values()
         count = sum(w.out_features * w.in_features for w in weights)
         size = sum(w.nbytes for w in weights)
         log.info(
-            "%s: %d %s weights, %.1fM parameters in %.1f MiB (%.3f bytes each; %.1f MiB as fp32)",
+            "%s: %d int%d weights, %.1fM parameters in %.1f MiB (%.3f bytes each; %.1f MiB"
+            " as fp32)",
             quantize,
             len(weights),
-            kind.__name__,
+            bits,
             count / 1e6,
             size / 2**20,
             size / max(count, 1),

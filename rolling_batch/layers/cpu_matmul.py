@@ -13,7 +13,15 @@ import torch
 from torch import nn
 
 from .lora import LoraSlots
-from .quantized import GROUP_SIZE, Int4Weight, Int8Weight, can_quantize
+from .quantized import (
+    GROUP_SIZE,
+    QuantizedWeight,
+    can_quantize,
+    int4_weight,
+    int8_weight,
+    quantize_int4,
+    quantize_int8,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +57,7 @@ class PackableLinear(nn.Module):
     in_features: int  # of this rank's shard
     out_features: int
     shards_input = False  # row-parallel: the input features are split across the ranks
-    packed: PackedWeight | Int4Weight | Int8Weight | None = None
+    packed: PackedWeight | QuantizedWeight | None = None
     int4_group_size: int | None = None  # set when the checkpoint brings int4 codes
     lora: LoraSlots | None = None
 
@@ -87,17 +95,20 @@ class PackableLinear(nn.Module):
         self.int4_zeros = _frozen(torch.empty(out_features, groups, dtype=torch.float32))
 
     def pack(self, quantize: str | None = None) -> None:
-        """`quantize`: None (oneDNN-packed, same dtype), "int4" or "int8" (layers/quantized.py).
-        Int4 codes from the checkpoint are packed as they are."""
+        """`quantize`: None (oneDNN-packed, same dtype, on CPU; a GPU keeps the weight), "int4"
+        or "int8" (layers/quantized.py, CPU or GPU). Int4 codes from the checkpoint are packed
+        as they are."""
         if self.int4_group_size is not None:
             parts = (self.int4_codes, self.int4_scales, self.int4_zeros)
-            self.packed = Int4Weight(*(p.data for p in parts), group_size=self.int4_group_size)
+            self.packed = int4_weight(*(p.data for p in parts), self.int4_group_size)
             del self.int4_codes, self.int4_scales, self.int4_zeros
             return
         weight = self.weight.data
         if quantize is not None and can_quantize(weight):
-            kind = Int4Weight if quantize == "int4" else Int8Weight
-            self.packed = kind.quantize(weight)
+            if quantize == "int4":
+                self.packed = int4_weight(*quantize_int4(weight))
+            else:
+                self.packed = int8_weight(*quantize_int8(weight))
         else:
             if quantize is not None:
                 log.warning(

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .parallel import TensorParallelGroup, balanced_split
-from .quantized import Int8Weight
+from .quantized import QuantizedWeight, int8_weight, quantize_int8
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -19,11 +19,11 @@ class VocabParallelEmbedding(nn.Module):
         ]
         self.vocab_start, self.num_local = self.splits[group.rank]
         self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
-        self.quantized: Int8Weight | None = None  # once `quantize` ran: the rows, in int8
+        self.quantized: QuantizedWeight | None = None  # once `quantize` ran: the rows, in int8
 
-    def quantize(self) -> Int8Weight:
+    def quantize(self) -> QuantizedWeight:
         """int8 rows replace the weight (layers/quantized.py); returned for a tied LM head."""
-        self.quantized = Int8Weight.quantize(self.weight.data)
+        self.quantized = int8_weight(*quantize_int8(self.weight.data))
         self.dtype = self.weight.dtype
         self.weight.data = torch.empty(0, dtype=self.dtype)
         return self.quantized

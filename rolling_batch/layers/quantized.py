@@ -30,6 +30,7 @@ the C++ kernels, dense matmuls run on blocks dequantized in turn.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 
@@ -46,8 +47,23 @@ _DENSE_BF16_FROM_ROWS = 32  # see dense_from_rows
 _DENSE_FP32_FROM_ROWS = 128
 
 
+class QuantizedWeight(Protocol):
+    """What the linears call: an int4 or int8 weight, on CPU or GPU."""
+
+    bits: int
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
 class Int4Weight:
     """A [out, in] weight as int4 codes; called like `linear(x, weight, bias)`."""
+
+    bits = 4
 
     def __init__(
         self,
@@ -92,6 +108,8 @@ class Int4Weight:
 class Int8Weight:
     """A [out, in] weight as int8 codes, a scale a group; called like `linear(x, weight)`."""
 
+    bits = 8
+
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
         """codes [out, in] int8; scales [out, in / GROUP_SIZE] (w = code * scale)."""
         self.codes = codes.to(torch.int8).contiguous()
@@ -127,6 +145,31 @@ class Int8Weight:
         return out if bias is None else out + bias
 
 
+def on_cpu(codes: torch.Tensor) -> bool:
+    """Whether a weight whose codes are on `codes`' device takes the CPU kernels (else the
+    GPU's; the tests run those on CPU tensors through Triton's interpreter)."""
+    return codes.device.type == "cpu"
+
+
+def int4_weight(codes, scales, zeros, group_size: int = GROUP_SIZE):
+    """The int4 weight for the device the codes are on: `Int4Weight` on CPU, else the Triton
+    kernel's (layers/quantized_gpu.py)."""
+    if on_cpu(codes):
+        return Int4Weight(codes, scales, zeros, group_size)
+    from .quantized_gpu import GpuInt4Weight
+
+    return GpuInt4Weight(codes, scales, zeros, group_size)
+
+
+def int8_weight(codes, scales):
+    """As `int4_weight`, for int8 codes."""
+    if on_cpu(codes):
+        return Int8Weight(codes, scales)
+    from .quantized_gpu import GpuInt8Weight
+
+    return GpuInt8Weight(codes, scales)
+
+
 def dense_from_rows(dtype: torch.dtype) -> int | float:
     """Steps of at least this many rows widen quantized weights to `dtype` (a C++ kernel) and
     multiply them densely: int4 in bf16 (its kernel's activations), int8 in the model's dtype.
@@ -145,7 +188,7 @@ def dense_from_rows(dtype: torch.dtype) -> int | float:
 
 
 def can_quantize(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.shape[1] % GROUP_SIZE == 0
+    return weight.shape[1] % GROUP_SIZE == 0
 
 
 def quantize_int4(

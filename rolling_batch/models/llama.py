@@ -18,7 +18,7 @@ from ..layers.linear import MergedColumnLinear, RowLinear
 from ..layers.lora import LoraSlots, LoraStep
 from ..layers.norm_and_rotary import RMSNorm, RotaryEmbedding
 from ..layers.parallel import TensorParallelGroup, balanced_split, shard_heads
-from ..layers.quantized import Int8Weight
+from ..layers.quantized import QuantizedWeight, int8_weight, quantize_int8
 from ..lora_adapters import linear_shapes
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
@@ -113,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, group, max_positions)
         self.tied = getattr(config, "tie_word_embeddings", False)
-        self.lm_head_packed: PackedWeight | Int8Weight | None = None
+        self.lm_head_packed: PackedWeight | QuantizedWeight | None = None
         if not self.tied:
             self.lm_head = ParallelLMHead(self.model.embed_tokens, config.hidden_size)
 
@@ -130,9 +130,10 @@ class LlamaForCausalLM(nn.Module):
     def _lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
 
-    def pack_for_cpu(self, quantize: str | None = None) -> None:
-        """oneDNN-packed weights for every linear and the LM head (layers/cpu_matmul.py). A
-        tied LM head is packed as a copy: the embedding lookup still reads its rows.
+    def pack_weights(self, quantize: str | None = None) -> None:
+        """On CPU oneDNN-packed weights for every linear and the LM head (layers/cpu_matmul.py;
+        a GPU keeps them as they are). A tied LM head is packed as a copy: the embedding lookup
+        still reads its rows.
         `quantize="int4"` or `"int8"` quantizes the decoder's linears so, and the embedding
         and LM head to int8 either way (an error there lands on every logit directly;
         llama.cpp's 4-bit files keep them at 8 bits too), one int8 copy serving both when
@@ -147,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tied:
             self.lm_head_packed = embedding
         else:
-            self.lm_head_packed = Int8Weight.quantize(self.lm_head.weight.data)
+            self.lm_head_packed = int8_weight(*quantize_int8(self.lm_head.weight.data))
             self.lm_head.weight.data = torch.empty(0, dtype=self.lm_head.weight.dtype)
 
     def expect_int4(self, group_size: int, linears: Iterable[str] | None = None) -> None:

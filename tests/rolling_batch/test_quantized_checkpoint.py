@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from lmserve.rolling_batch import LLM
 from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
+from lmserve.rolling_batch.layers import quantized
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
 from lmserve.rolling_batch.model_loader import load_hf_config, load_model
 from lmserve.rolling_batch.quantized_checkpoint import read_quantization, unpack_int4
@@ -178,6 +179,21 @@ def test_logits_match_hf_on_the_dequantized_checkpoint(checkpoint, base_dir):
     assert worst_relative_error(steps, same_arithmetic) < 1e-5
     fp32 = hf_reference(base_dir, parts, group_size, kernel_roundings=False)
     assert worst_relative_error(steps, fp32) < 3e-2
+
+
+@pytest.mark.parametrize("name", ["awq-g128", "gptq-g32"])
+def test_the_gpu_kernel_serves_the_checkpoints_own_weights(name, base_dir, tmp_path, monkeypatch):
+    """What a GPU serves: the same codes with the Triton kernel's weights (run on CPU tensors
+    by its interpreter) where `quantized.on_cpu` would pick the CPU's. It keeps the fp32
+    scales and zeros and multiplies in IEEE fp32: HF's logits on (q - z) * s, to 1e-5."""
+    monkeypatch.setattr(quantized, "on_cpu", lambda codes: False)
+    parts = save_quantized(base_dir, tmp_path, name)
+    options = RuntimeOptions(dtype="fp32", max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+    runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
+    steps = run_steps(runner, runner.block_size)
+    group_size = CHECKPOINTS[name][0]["group_size"]
+    fp32 = hf_reference(base_dir, parts, group_size, kernel_roundings=False)
+    assert worst_relative_error(steps, fp32) < 1e-5
 
 
 @pytest.mark.parametrize(("name", "ranks"), [("gptq-g32", 1), ("gptq-g32", 2), ("awq-g64", 2)])

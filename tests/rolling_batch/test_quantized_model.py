@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from lmserve.rolling_batch import LLM
 from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
 from lmserve.rolling_batch.gguf_convert import gguf_source
+from lmserve.rolling_batch.layers import quantized
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
 from lmserve.rolling_batch.layers.quantized import (
     dequantize_int4,
@@ -169,3 +170,12 @@ def test_int8_greedy_tokens_equal_hf_on_the_dequantized_weights_at_two_ranks(smo
         expected, logits = hf_greedy_alone(reference, ids, 24)
         assert_same_or_near_tie(result.token_ids, expected, logits)
     assert "Paris" in results[0].text
+
+
+def test_int8_logits_through_the_gpu_kernel_equal_hf(tiny_model_dir, monkeypatch):
+    """What a GPU serves: the same load with the Triton kernel's weights (run on CPU tensors
+    by its interpreter) where `quantized.on_cpu` would pick the CPU's. Its fp32 dot is IEEE,
+    so the logits are HF's on the dequantized weights to fp32 summation order."""
+    monkeypatch.setattr(quantized, "on_cpu", lambda codes: False)
+    steps = quantized_steps(tiny_model_dir, "int8")
+    assert worst_relative_error(steps, quantized_reference(tiny_model_dir, "int8")) < 1e-5
