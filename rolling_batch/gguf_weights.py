@@ -1,16 +1,21 @@
-"""A GGUF's 4-bit linears (Q4_0, Q4_1, Q4_K) read as int4 codes, scales and zeros, as the file
-has them.
+"""A GGUF's quantized tensors read as the file has them: 4-bit linears (Q4_0, Q4_1, Q4_K) as
+int4 codes, scales and zeros, Q8_0 matrices as int8 codes and scales.
 
-For option.quantize=int4 on a model converted from GGUF (gguf_convert.py records which file),
-the decoder linears stored as Q4_0, Q4_1 or Q4_K load from the file itself rather than being
-quantized again from the converted fp32 weights. A Q4_0/Q4_1 block holds 32 weights of a row:
-an fp16 scale d (Q4_1 also an fp16 min m) and 16 bytes of codes, weight j in the low nibble of
-byte j and weight j + 16 in the high one; Q4_1 means w = d q + m, Q4_0 w = d (q - 8). The int4
-linears compute w = (q - 8) scale + zero, so scale = d and zero = m + 8d (Q4_1) or 0 (Q4_0).
-Q4_K's groups of 32 (in blocks of 256, `_unpack_q4_k`) map the same way. The kernel rounds
-scale and zero to bf16, once: the only rounding on the way. llama.cpp stores the Q and K rows
-permuted for its rotary; the rows move back into HF's order with their blocks, which changes no
-value. Other tensor types (Q8_0, Q6_K, F32, ...) come from the converted checkpoint as before.
+For option.quantize on a model converted from GGUF (gguf_convert.py records which file), the
+tensors already at the asked width load from the file itself rather than being quantized again
+from the converted fp32 weights: with int4 the Q4 decoder linears and a Q8_0 embedding and LM
+head (int4 serves those as int8), with int8 every Q8_0 one. A Q8_0 block is an fp16 scale d
+and 32 int8 codes, w = d q: the int8 weights' layout, so nothing is rounded on the way.
+
+A Q4_0/Q4_1 block holds 32 weights of a row: an fp16 scale d (Q4_1 also an fp16 min m) and 16
+bytes of codes, weight j in the low nibble of byte j and weight j + 16 in the high one; Q4_1
+means w = d q + m, Q4_0 w = d (q - 8). The int4 linears compute w = (q - 8) scale + zero, so
+scale = d and zero = m + 8d (Q4_1) or 0 (Q4_0). Q4_K's groups of 32 (in blocks of 256,
+`_unpack_q4_k`) map the same way. The CPU kernel rounds scale and zero to bf16, once: the only
+rounding on the way. llama.cpp stores the Q and K rows permuted for its rotary; the rows move
+back into HF's order with their blocks, which changes no value. Other tensor types (Q6_K, F16,
+F32, ...) come from the converted checkpoint and are quantized to the asked width: Q6_K's
+scale a 16 weights has no exact place in groups of 32.
 """
 
 from __future__ import annotations
@@ -35,15 +40,38 @@ _HF_LINEARS = {
 }
 # Linears the native model computes as one matmul: kept as codes together or not at all.
 _FUSED = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q8_0": 34}
+_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 _NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_WHOLE_MATRICES = {"token_embd.weight": "model.embed_tokens", "output.weight": "lm_head"}
 
 Int4Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Int8Parts = tuple[torch.Tensor, torch.Tensor]
 
 
 def read_int4_linears(gguf: Path, hf_config) -> dict[str, Int4Parts]:
     """{HF linear name (`model.layers.0.self_attn.q_proj`): (codes [out, in] uint8, scales,
     zeros [out, in / 32] fp32)} for the file's Q4_0, Q4_1 and Q4_K decoder linears."""
+    return {
+        prefix: _reordered(_unpack_q4(tensor), rows)
+        for prefix, tensor, rows in _file_matrices(gguf, hf_config, _INT4_TYPES, True, False)
+    }
+
+
+def read_int8_matrices(gguf: Path, hf_config, linears: bool) -> dict[str, Int8Parts]:
+    """{HF name (`model.embed_tokens`, `lm_head`, and with `linears` the decoder's): (codes
+    [out, in] int8, scales [out, in / 32] fp32)} for the file's Q8_0 tensors: a block is an
+    fp16 scale d and 32 int8 codes q, w = d q, which is the int8 weights' own layout."""
+    return {
+        prefix: _reordered(_unpack_q8_0(tensor), rows)
+        for prefix, tensor, rows in _file_matrices(gguf, hf_config, ("Q8_0",), linears, True)
+    }
+
+
+def _file_matrices(gguf: Path, hf_config, types: tuple[str, ...], linears: bool, whole: bool):
+    """(HF name, GGUF tensor, its rows in HF's order) for the file's tensors of `types`: with
+    `linears` the decoder's linears whose whole fused family has such a type, with `whole` the
+    embedding and an untied LM head."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf))
@@ -51,28 +79,41 @@ def read_int4_linears(gguf: Path, hf_config) -> dict[str, Int4Parts]:
     permuted = bytes(field.parts[field.data[0]]).decode() == "llama"
     by_layer: dict[int, dict[str, object]] = {}
     for tensor in reader.tensors:
+        if tensor.tensor_type.name not in types:
+            continue
+        if whole and tensor.name in _WHOLE_MATRICES:
+            prefix = _WHOLE_MATRICES[tensor.name]
+            if prefix != "lm_head" or not getattr(hf_config, "tie_word_embeddings", False):
+                yield prefix, tensor, slice(None)
         match = _NAME.fullmatch(tensor.name)
-        if match and match[2] in _HF_LINEARS and tensor.tensor_type.name in _BLOCK_BYTES:
+        if linears and match and match[2] in _HF_LINEARS:
             by_layer.setdefault(int(match[1]), {})[match[2]] = tensor
-    parts = {}
     for layer, tensors in by_layer.items():
         for kind, tensor in tensors.items():
             family = next((f for f in _FUSED if kind in f), (kind,))
             if all(member in tensors for member in family):
-                codes, scales, zeros = _unpack_q4(tensor)
-                rows = _hf_row_order(kind, codes.shape[0], hf_config, permuted)
-                parts[f"model.layers.{layer}.{_HF_LINEARS[kind]}"] = (
-                    codes[rows].contiguous(),
-                    scales[rows].contiguous(),
-                    zeros[rows].contiguous(),
-                )
-    return parts
+                rows = _hf_row_order(kind, len(tensor.data), hf_config, permuted)
+                yield f"model.layers.{layer}.{_HF_LINEARS[kind]}", tensor, rows
+
+
+def _reordered(parts: tuple[torch.Tensor, ...], rows) -> tuple[torch.Tensor, ...]:
+    return tuple(part[rows].contiguous() for part in parts)
+
+
+def _blocks(tensor) -> np.ndarray:
+    rows = np.asarray(tensor.data)  # [out, blocks x block bytes]
+    return rows.reshape(rows.shape[0], -1, _BLOCK_BYTES[tensor.tensor_type.name])
+
+
+def _unpack_q8_0(tensor) -> Int8Parts:
+    blocks = _blocks(tensor)
+    codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(blocks.shape[0], -1)
+    return torch.from_numpy(codes), torch.from_numpy(_fp16(blocks[..., 0:2]))
 
 
 def _unpack_q4(tensor) -> Int4Parts:
     kind = tensor.tensor_type.name
-    rows = np.asarray(tensor.data)  # [out, blocks x block bytes]
-    blocks = rows.reshape(rows.shape[0], -1, _BLOCK_BYTES[kind])
+    blocks = _blocks(tensor)
     if kind == "Q4_K":
         return _unpack_q4_k(blocks)
     scales = _fp16(blocks[..., 0:2])
@@ -81,7 +122,7 @@ def _unpack_q4(tensor) -> Int4Parts:
     else:
         zeros = np.zeros_like(scales)
     nibbles = blocks[..., _BLOCK_BYTES[kind] - GROUP_SIZE // 2 :]
-    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows.shape[0], -1)
+    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(blocks.shape[0], -1)
     return torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros)
 
 
@@ -127,15 +168,21 @@ def _hf_row_order(kind: str, num_rows: int, hf_config, permuted: bool) -> torch.
     return torch.arange(num_rows).reshape(heads, half, 2).transpose(1, 2).reshape(-1)
 
 
-def with_int4_linears(
-    weights: Iterator[tuple[str, torch.Tensor]], linears: dict[str, Int4Parts]
+def with_file_codes(
+    weights: Iterator[tuple[str, torch.Tensor]],
+    int4: dict[str, Int4Parts],
+    int8: dict[str, Int8Parts],
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The converted checkpoint's tensors with `linears`' dense weights replaced by their codes,
-    scales and zeros (what `PackableLinear.expect_int4` takes)."""
+    """The converted checkpoint's tensors with the dense weights of `int4` and `int8` replaced
+    by their codes, scales (and zeros): what `expect_int4` and `expect_int8` make room for."""
     for name, tensor in weights:
-        if name.removesuffix(".weight") not in linears:
+        prefix = name.removesuffix(".weight")
+        if prefix not in int4 and prefix not in int8:
             yield name, tensor
-    for prefix, (codes, scales, zeros) in linears.items():
+    for prefix, (codes, scales, zeros) in int4.items():
         yield f"{prefix}.int4_codes", codes
         yield f"{prefix}.int4_scales", scales
         yield f"{prefix}.int4_zeros", zeros
+    for prefix, (codes, scales) in int8.items():
+        yield f"{prefix}.int8_codes", codes
+        yield f"{prefix}.int8_scales", scales

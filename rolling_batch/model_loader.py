@@ -12,7 +12,7 @@ import torch
 from lmserve.kernels.cpu_native import cpu_has_native_bf16
 
 from .gguf_convert import gguf_source
-from .gguf_weights import read_int4_linears, with_int4_linears
+from .gguf_weights import read_int4_linears, read_int8_matrices, with_file_codes
 from .layers.parallel import TensorParallelGroup
 from .layers.quantized import GROUP_SIZE
 from .models import model_class_for
@@ -95,11 +95,20 @@ def load_model(
         quantized = quantized_linears(checkpoint_names(model_path))
         model.expect_int4(checkpoint.kernel_group_size, quantized)
         weights = unpack_int4(weights, checkpoint)
-    elif quantize == "int4" and (gguf := gguf_source(model_path)) is not None:
-        file_linears = read_int4_linears(gguf, hf_config)
-        log.info("int4: %d linears' codes as %s holds them", len(file_linears), gguf.name)
-        model.expect_int4(GROUP_SIZE, file_linears)
-        weights = with_int4_linears(weights, file_linears)
+    elif quantize in ("int4", "int8") and (gguf := gguf_source(model_path)) is not None:
+        # What the file holds at the asked width loads as it is (gguf_weights.py).
+        int4 = read_int4_linears(gguf, hf_config) if quantize == "int4" else {}
+        int8 = read_int8_matrices(gguf, hf_config, linears=quantize == "int8")
+        log.info(
+            "%s: %d int4 and %d int8 matrices' codes as %s holds them",
+            quantize,
+            len(int4),
+            len(int8),
+            gguf.name,
+        )
+        model.expect_int4(GROUP_SIZE, int4)
+        model.expect_int8(int8)
+        weights = with_file_codes(weights, int4, int8)
     model.load_weights(weights)
     model = model.to(device).eval()
     model.pack_weights(quantize if checkpoint is None else None)
@@ -114,6 +123,8 @@ def _log_quantized(model: torch.nn.Module, quantize: str) -> None:
     for bits in (4, 8):
         # A tied LM head shares the embedding's weight: counted once.
         weights = {id(w): w for w in packed if getattr(w, "bits", None) == bits}.values()
+        if not weights:
+            continue
         count = sum(w.out_features * w.in_features for w in weights)
         size = sum(w.nbytes for w in weights)
         log.info(

@@ -17,7 +17,9 @@ from .quantized import (
     GROUP_SIZE,
     QuantizedWeight,
     can_quantize,
+    frozen,
     int4_weight,
+    int8_parameters,
     int8_weight,
     quantize_int4,
     quantize_int8,
@@ -58,7 +60,9 @@ class PackableLinear(nn.Module):
     out_features: int
     shards_input = False  # row-parallel: the input features are split across the ranks
     packed: PackedWeight | QuantizedWeight | None = None
+    in_start = 0  # of this rank's shard among the layer's inputs (row-parallel: see RowLinear)
     int4_group_size: int | None = None  # set when the checkpoint brings int4 codes
+    int8_from_checkpoint = False  # ... or int8 codes
     lora: LoraSlots | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,31 +81,46 @@ class PackableLinear(nn.Module):
 
     def expect_int4(self, group_size: int) -> None:
         """The checkpoint brings this layer as int4 codes with a scale and zero a group of
-        `group_size` inputs (AWQ, GPTQ: rolling_batch/quantized_checkpoint.py). They take the
-        weight's place and load through the same `weight_loader`: output rows slice alike,
-        and a row-parallel shard's inputs must start and end on a group boundary."""
+        `group_size` inputs (AWQ, GPTQ: rolling_batch/quantized_checkpoint.py; GGUF's Q4).
+        They take the weight's place and load through the same `weight_loader`: output rows
+        slice alike, and a row-parallel shard's inputs must start and end on a group
+        boundary."""
+        out_features, in_features = self._make_room_for_groups(group_size)
+        self.int4_group_size = group_size
+        self.int4_codes = frozen(torch.empty(out_features, in_features, dtype=torch.uint8))
+        groups = in_features // group_size
+        self.int4_scales = frozen(torch.empty(out_features, groups, dtype=torch.float32))
+        self.int4_zeros = frozen(torch.empty(out_features, groups, dtype=torch.float32))
+
+    def expect_int8(self) -> None:
+        """As `expect_int4`, for int8 codes with a scale a group of GROUP_SIZE inputs (GGUF's
+        Q8_0)."""
+        out_features, in_features = self._make_room_for_groups(GROUP_SIZE)
+        self.int8_from_checkpoint = True
+        self.int8_codes, self.int8_scales = int8_parameters(out_features, in_features)
+
+    def _make_room_for_groups(self, group_size: int) -> tuple[int, int]:
         out_features, in_features = self.weight.shape
-        in_start = getattr(self, "in_start", 0)
-        if in_features % group_size or in_start % group_size:
+        if in_features % group_size or self.in_start % group_size:
             raise ValueError(
-                f"inputs [{in_start}, {in_start + in_features}) of this rank's shard split the"
-                f" checkpoint's groups of {group_size} inputs"
+                f"inputs [{self.in_start}, {self.in_start + in_features}) of this rank's shard"
+                f" split the checkpoint's groups of {group_size} inputs"
             )
         del self.weight
-        self.int4_group_size = group_size
-        self.int4_codes = _frozen(torch.empty(out_features, in_features, dtype=torch.uint8))
-        groups = in_features // group_size
-        self.int4_scales = _frozen(torch.empty(out_features, groups, dtype=torch.float32))
-        self.int4_zeros = _frozen(torch.empty(out_features, groups, dtype=torch.float32))
+        return out_features, in_features
 
     def pack(self, quantize: str | None = None) -> None:
         """`quantize`: None (oneDNN-packed, same dtype, on CPU; a GPU keeps the weight), "int4"
         or "int8" (layers/quantized.py, CPU or GPU). Int4 codes from the checkpoint are packed
-        as they are."""
+        as they are, int8 codes too."""
         if self.int4_group_size is not None:
             parts = (self.int4_codes, self.int4_scales, self.int4_zeros)
             self.packed = int4_weight(*(p.data for p in parts), self.int4_group_size)
             del self.int4_codes, self.int4_scales, self.int4_zeros
+            return
+        if self.int8_from_checkpoint:
+            self.packed = int8_weight(self.int8_codes.data, self.int8_scales.data)
+            del self.int8_codes, self.int8_scales
             return
         weight = self.weight.data
         if quantize is not None and can_quantize(weight):
@@ -120,7 +139,3 @@ class PackableLinear(nn.Module):
             self.packed = try_pack(weight)
         if self.packed is not None:  # the packed copy replaces the weight: no doubled memory
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
-
-
-def _frozen(tensor: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(tensor, requires_grad=False)

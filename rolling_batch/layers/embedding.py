@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .parallel import TensorParallelGroup, balanced_split
-from .quantized import QuantizedWeight, int8_weight, quantize_int8
+from .quantized import QuantizedWeight, int8_parameters, int8_weight, quantize_int8
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,11 +21,13 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_local, hidden_size), requires_grad=False)
         self.quantized: QuantizedWeight | None = None  # once `quantize` ran: the rows, in int8
 
+    def expect_int8(self) -> None:
+        make_room_for_int8(self)
+
     def quantize(self) -> QuantizedWeight:
         """int8 rows replace the weight (layers/quantized.py); returned for a tied LM head."""
-        self.quantized = int8_weight(*quantize_int8(self.weight.data))
         self.dtype = self.weight.dtype
-        self.weight.data = torch.empty(0, dtype=self.dtype)
+        self.quantized = take_int8(self)
         return self.quantized
 
     def _rows(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -60,6 +62,32 @@ class ParallelLMHead(nn.Module):
             torch.empty(embedding.num_local, hidden_size), requires_grad=False
         )
 
+    def expect_int8(self) -> None:
+        make_room_for_int8(self)
+
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard=None) -> None:
         start = self.embedding.vocab_start
         param.data.copy_(full[start : start + self.embedding.num_local])
+
+
+def make_room_for_int8(module: nn.Module) -> None:
+    """The checkpoint brings `module.weight` as int8 codes and scales (GGUF's Q8_0): they load
+    into its place through the module's `weight_loader` (rows slice alike). An empty stand-in
+    keeps the dtype (and, moved with the module, the device) the layer computes in."""
+    rows, columns = module.weight.shape
+    dtype = module.weight.dtype
+    del module.weight
+    module.register_buffer("weight", torch.empty(0, dtype=dtype), persistent=False)
+    module.int8_codes, module.int8_scales = int8_parameters(rows, columns)
+
+
+def take_int8(module: nn.Module) -> QuantizedWeight:
+    """`module.weight` as int8, the checkpoint's own codes where it brought them; what stays
+    of the weight is an empty tensor of its dtype."""
+    if hasattr(module, "int8_codes"):
+        weight = int8_weight(module.int8_codes.data, module.int8_scales.data)
+        del module.int8_codes, module.int8_scales
+        return weight
+    weight = int8_weight(*quantize_int8(module.weight.data))
+    module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+    return weight

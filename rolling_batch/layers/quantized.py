@@ -217,6 +217,16 @@ def dequantize_int4(
     )
 
 
+def frozen(tensor: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(tensor, requires_grad=False)
+
+
+def int8_parameters(rows: int, columns: int) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    """Empty int8 codes [rows, columns] and their scales, for a checkpoint's to load into."""
+    codes = torch.empty(rows, columns, dtype=torch.int8)
+    return frozen(codes), frozen(torch.empty(rows, columns // GROUP_SIZE, dtype=torch.float32))
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes [out, in] int8, scales [out, in / GROUP_SIZE]): Q8_0's rounding, each group's
     largest magnitude at code +-127."""

@@ -13,12 +13,12 @@ from lmserve.kernels import cpu_native
 
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.cpu_matmul import PackableLinear, PackedWeight, try_pack
-from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding, take_int8
 from ..layers.linear import MergedColumnLinear, RowLinear
 from ..layers.lora import LoraSlots, LoraStep
 from ..layers.norm_and_rotary import RMSNorm, RotaryEmbedding
 from ..layers.parallel import TensorParallelGroup, balanced_split, shard_heads
-from ..layers.quantized import QuantizedWeight, int8_weight, quantize_int8
+from ..layers.quantized import QuantizedWeight
 from ..lora_adapters import linear_shapes
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
@@ -148,8 +148,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tied:
             self.lm_head_packed = embedding
         else:
-            self.lm_head_packed = int8_weight(*quantize_int8(self.lm_head.weight.data))
-            self.lm_head.weight.data = torch.empty(0, dtype=self.lm_head.weight.dtype)
+            self.lm_head_packed = take_int8(self.lm_head)
 
     def expect_int4(self, group_size: int, linears: Iterable[str] | None = None) -> None:
         """The checkpoint's decoder linears (all, or those named as the checkpoint names them)
@@ -162,6 +161,16 @@ class LlamaForCausalLM(nn.Module):
                     module.expect_int4(group_size)
                 except ValueError as error:
                     raise ValueError(f"{name}: {error}") from None
+
+    def expect_int8(self, names: Iterable[str]) -> None:
+        """The checkpoint's matrices `names` (as it names them: decoder linears,
+        `model.embed_tokens`, `lm_head`) are int8 codes with a scale a group (GGUF's Q8_0)."""
+        modules = dict(self.named_modules())
+        for target in {_fused_name(f"{name}.")[0].removesuffix(".") for name in names}:
+            try:
+                modules[target].expect_int8()
+            except ValueError as error:
+                raise ValueError(f"{target}: {error}") from None
 
     def enable_lora(self, num_slots: int, max_rank: int, step: LoraStep) -> dict:
         """LoRA slots (layers/lora.py) on every decoder linear. Returns {HF module name:

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from lmserve.rolling_batch.gguf_convert import embedded_gguf, gguf_source
-from lmserve.rolling_batch.gguf_weights import read_int4_linears
+from lmserve.rolling_batch.gguf_weights import read_int4_linears, read_int8_matrices
 from lmserve.rolling_batch.layers.quantized import quantize_int4, quantize_int8
 from lmserve.rolling_batch.model_loader import load_hf_config
 
@@ -81,6 +81,17 @@ def test_q8_0_embedding_codes_and_scales_come_back_exactly(smollm2_dir, gguf_ten
     assert np.array_equal(scales.numpy().reshape(-1), f16(blocks[:, 0:2]))
 
 
+def test_the_embedding_read_from_the_file_is_its_q8_0_blocks(smollm2_dir, gguf_tensors):
+    """SmolLM2's only Q8_0 tensor is its embedding, tied to the LM head: read once."""
+    matrices = read_int8_matrices(embedded_gguf(), load_hf_config(smollm2_dir), linears=True)
+    assert sorted(matrices) == ["model.embed_tokens"]
+    codes, scales = matrices["model.embed_tokens"]
+    blocks = np.asarray(gguf_tensors["token_embd.weight"].data).reshape(-1, 34)
+    assert codes.dtype == torch.int8 and codes.shape == (49152, 576)
+    assert np.array_equal(codes.numpy().reshape(-1, 32), blocks[:, 2:].copy().view(np.int8))
+    assert np.array_equal(scales.numpy().reshape(-1), f16(blocks[:, 0:2]))
+
+
 def test_linears_read_from_the_file_are_its_q4_1_weights_in_hf_row_order(smollm2_dir):
     assert gguf_source(smollm2_dir) == embedded_gguf().resolve()
     linears = read_int4_linears(embedded_gguf(), load_hf_config(smollm2_dir))
@@ -141,6 +152,59 @@ def test_q4_linears_of_a_written_file_come_back_as_its_weights(tmp_path):
         weight = (codes.float() - 8) * expand(scales) + expand(zeros)
         bound = (expand(scales).abs() * 8 + expand(zeros).abs()) * 2e-7 + 1e-7
         assert bool(((weight - expected).abs() <= bound).all()), kind
+
+
+def test_q8_0_matrices_of_a_written_file_come_back_as_its_weights(tmp_path):
+    """Q8_0 blocks of random codes and scales (a file of another quantizer need not put a
+    group's largest weight at code 127, so quantizing its weights again would move codes):
+    read back as gguf's own dequantizer gives them, Q rows in HF's order; the LM head of an
+    untied model is read, of a tied one not; a linear whose fused family has another type
+    stays with the converted weights."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    q8_0 = GGMLQuantizationType.Q8_0
+    generator = np.random.default_rng(1)
+    names = ["token_embd", "output", "blk.0.attn_q", "blk.0.attn_k", "blk.0.attn_v"]
+    names += ["blk.0.ffn_down", "blk.0.ffn_gate"]
+    packed = {}
+    for name in names:
+        blocks = generator.integers(0, 256, size=(64, 8, 34), dtype=np.uint8)
+        scales = generator.uniform(0.001, 0.05, size=(64, 8, 1)).astype(np.float16)
+        blocks[..., 0:2] = scales.view(np.uint8)
+        packed[name] = blocks.reshape(64, 8 * 34)
+    path = tmp_path / "q8_0.gguf"
+    writer = GGUFWriter(str(path), arch="llama")
+    for name, data in packed.items():
+        writer.add_tensor(f"{name}.weight", data, raw_dtype=q8_0)
+    writer.add_tensor("blk.0.ffn_up.weight", np.zeros((64, 256), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    untied = SimpleNamespace(num_attention_heads=4, num_key_value_heads=4)
+    matrices = read_int8_matrices(path, untied, linears=True)
+    expected_names = {
+        "token_embd": "model.embed_tokens",
+        "output": "lm_head",
+        "blk.0.attn_q": "model.layers.0.self_attn.q_proj",
+        "blk.0.attn_k": "model.layers.0.self_attn.k_proj",
+        "blk.0.attn_v": "model.layers.0.self_attn.v_proj",
+        "blk.0.ffn_down": "model.layers.0.mlp.down_proj",
+    }
+    assert sorted(matrices) == sorted(expected_names.values())  # not ffn_gate: ffn_up is F32
+    # Q: head h's file row 2i + pair is HF's row pair * 8 + i (16 rows a head).
+    hf_rows = torch.arange(64).reshape(4, 8, 2).transpose(1, 2).reshape(-1)
+    for name, hf_name in expected_names.items():
+        codes, scales = matrices[hf_name]
+        weight = codes.float() * scales.repeat_interleave(32, dim=1)
+        expected = torch.from_numpy(quants.dequantize(packed[name], q8_0))
+        if name in ("blk.0.attn_q", "blk.0.attn_k"):
+            expected = expected[hf_rows]
+        assert torch.equal(weight, expected), name
+
+    tied = SimpleNamespace(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)
+    assert sorted(read_int8_matrices(path, tied, linears=False)) == ["model.embed_tokens"]
 
 
 def _gguf_blocks(generator, qtype, quants) -> np.ndarray:
