@@ -36,7 +36,9 @@ def ranks_on_this_host(comm) -> int:
     return comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
 
 
-def make_group(comm):
+def make_group(comm, leader: str | None = None):
+    """This rank's collectives: MPI's on CPU, NCCL's on GPUs. `leader`: rank 0's address as
+    the other hosts reach it (Runtime.hosts' first), None when every rank is on this host."""
     if not torch.cuda.is_available():
         # This host's cores are shared out between its ranks: more threads than cores (two
         # per rank on 2 cores) measured 5-18x slower under mpiexec here. OMP_NUM_THREADS,
@@ -51,18 +53,25 @@ def make_group(comm):
 
     port = None
     if comm.Get_rank() == 0:
+        # A free port for torch's rendezvous store, which rank 0 serves on every interface.
         with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
+            probe.bind(("", 0))
             port = probe.getsockname()[1]
     port = comm.bcast(port, root=0)
     torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
     dist.init_process_group(
         "nccl",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=rendezvous_address(leader, port),
         rank=comm.Get_rank(),
         world_size=comm.Get_size(),
     )
     return NcclGroup(comm.Get_rank(), comm.Get_size())
+
+
+def rendezvous_address(leader: str | None, port: int) -> str:
+    """Where every rank meets rank 0 to set NCCL up: rank 0's host as the others reach it."""
+    host = leader or "127.0.0.1"
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 class StepBroadcaster:

@@ -32,7 +32,7 @@ def main() -> None:
     runtime = Runtime.read(sys.argv[1])
     config = runtime.config
     try:
-        group = make_group(comm)
+        group = make_group(comm, runtime.hosts[0][0] if runtime.hosts else None)
         runner, _, max_model_len = build_runner(
             runtime.model_path,
             RuntimeOptions.from_config(config, runtime.adapters_dir),

@@ -9,6 +9,7 @@ import torch
 from lmserve.rolling_batch import LLM
 from lmserve.rolling_batch.kv_cache import CacheShape, plan_num_blocks
 from lmserve.rolling_batch.layers.parallel import HeadShard, balanced_split, shard_heads
+from lmserve.rolling_batch.mpi_worker import rendezvous_address
 
 from ..conftest import TEST_CACHE_DIR
 
@@ -74,3 +75,11 @@ def test_a_prompt_too_long_for_the_cache_is_refused_and_the_ranks_keep_serving(t
             llm.generate([list(range(5, 65))], max_new_tokens=10)
         (result,) = llm.generate([[5, 6, 7]], max_new_tokens=3, ignore_eos=True)
     assert len(result.token_ids) == 3
+
+
+def test_nccl_ranks_meet_rank_0_at_the_leaders_address():
+    """On GPUs across hosts every rank must reach rank 0's rendezvous: the leader's address as
+    the host list names it (an IPv6 one bracketed), loopback when all ranks share a host."""
+    assert rendezvous_address(None, 29500) == "tcp://127.0.0.1:29500"
+    assert rendezvous_address("leader.lws.default", 41000) == "tcp://leader.lws.default:41000"
+    assert rendezvous_address("fd00::2", 41000) == "tcp://[fd00::2]:41000"
