@@ -74,7 +74,7 @@ class ServingConfig:
     gpu_memory_utilization: float
     enable_prefix_caching: bool  # resolved: the default follows paged_attention
     enable_chunked_prefill: bool
-    quantize: str | None  # int4/int8 at load, awq/gptq checkpoints; the CPU rolling batch
+    quantize: str | None  # int4/int8 at load, awq/gptq checkpoints; the rolling batch
     enable_lora: bool
     max_loras: int
     max_lora_rank: int

@@ -279,8 +279,8 @@ SETTINGS: tuple[Setting, ...] = (
         ),
         True,
     ),
-    # Weight-only int4 on the CPU rolling batch; the methods not served yet are refused by
-    # name rather than silently served unquantized.
+    # Weight-only int4/int8 on the rolling batch (CPU or GPU); the methods not served are
+    # refused by name rather than silently served unquantized.
     Setting("option.quantize", "quantize", quantization, None, ("HF_MODEL_QUANTIZE",)),
     # LoRA adapters in <model dir>/adapters/<name>/ (PEFT folders), chosen per request.
     Setting("option.enable_lora", "enable_lora", boolean, False),

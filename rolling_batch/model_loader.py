@@ -99,6 +99,8 @@ def load_model(
         # What the file holds at the asked width loads as it is (gguf_weights.py).
         int4 = read_int4_linears(gguf, hf_config) if quantize == "int4" else {}
         int8 = read_int8_matrices(gguf, hf_config, linears=quantize == "int8")
+        model.expect_int4(GROUP_SIZE, int4)
+        int8 = {name: int8[name] for name in model.expect_int8(int8)}
         log.info(
             "%s: %d int4 and %d int8 matrices' codes as %s holds them",
             quantize,
@@ -106,12 +108,14 @@ def load_model(
             len(int8),
             gguf.name,
         )
-        model.expect_int4(GROUP_SIZE, int4)
-        model.expect_int8(int8)
         weights = with_file_codes(weights, int4, int8)
     model.load_weights(weights)
     model = model.to(device).eval()
     model.pack_weights(quantize if checkpoint is None else None)
+    if device.type == "cuda":
+        # The dense weights quantization replaced, and its temporaries: the KV cache is sized
+        # from the free memory the device reports, which counts torch's cache as used.
+        torch.cuda.empty_cache()
     if method is not None:
         _log_quantized(model, method)
     return model

@@ -59,7 +59,7 @@ def main() -> None:
     eos = eos_token_ids(runtime.model_path, trust_remote_code=config.trust_remote_code)
     socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.bind(runtime.engine_address)
-    dtype = str(next(runner.model.parameters()).dtype).removeprefix("torch.")
+    dtype = str(runner.model.dtype).removeprefix("torch.")
     logging.getLogger("lmserve.engine").info(
         "engine=MPI model %s: %d rank(s), dtype=%s device=%s, max_rolling_batch_size=%d"
         " max_rolling_batch_prefill_tokens=%d paged_attention=%s prefix_caching=%s, KV cache"

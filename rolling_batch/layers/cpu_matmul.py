@@ -138,4 +138,4 @@ class PackableLinear(nn.Module):
                 )
             self.packed = try_pack(weight)
         if self.packed is not None:  # the packed copy replaces the weight: no doubled memory
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+            self.weight.data = self.weight.new_empty(0)

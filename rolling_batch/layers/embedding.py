@@ -75,9 +75,9 @@ def make_room_for_int8(module: nn.Module) -> None:
     into its place through the module's `weight_loader` (rows slice alike). An empty stand-in
     keeps the dtype (and, moved with the module, the device) the layer computes in."""
     rows, columns = module.weight.shape
-    dtype = module.weight.dtype
+    dtype, device = module.weight.dtype, module.weight.device
     del module.weight
-    module.register_buffer("weight", torch.empty(0, dtype=dtype), persistent=False)
+    module.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
     module.int8_codes, module.int8_scales = int8_parameters(rows, columns)
 
 
@@ -89,5 +89,5 @@ def take_int8(module: nn.Module) -> QuantizedWeight:
         del module.int8_codes, module.int8_scales
         return weight
     weight = int8_weight(*quantize_int8(module.weight.data))
-    module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+    module.weight.data = module.weight.new_empty(0)
     return weight

@@ -4,6 +4,7 @@ layers hold and load their own shards."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -20,6 +21,8 @@ from ..layers.norm_and_rotary import RMSNorm, RotaryEmbedding
 from ..layers.parallel import TensorParallelGroup, balanced_split, shard_heads
 from ..layers.quantized import QuantizedWeight
 from ..lora_adapters import linear_shapes
+
+log = logging.getLogger(__name__)
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 _FUSED = {
@@ -117,6 +120,11 @@ class LlamaForCausalLM(nn.Module):
         if not self.tied:
             self.lm_head = ParallelLMHead(self.model.embed_tokens, config.hidden_size)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the model computes in (quantized weights hold other types)."""
+        return self.model.norm.weight.dtype
+
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
@@ -162,15 +170,24 @@ class LlamaForCausalLM(nn.Module):
                 except ValueError as error:
                     raise ValueError(f"{name}: {error}") from None
 
-    def expect_int8(self, names: Iterable[str]) -> None:
-        """The checkpoint's matrices `names` (as it names them: decoder linears,
-        `model.embed_tokens`, `lm_head`) are int8 codes with a scale a group (GGUF's Q8_0)."""
+    def expect_int8(self, names: Iterable[str]) -> set[str]:
+        """Of the matrices `names` (as the checkpoint names them: decoder linears,
+        `model.embed_tokens`, `lm_head`), those that load as int8 codes with a scale a group
+        (GGUF's Q8_0). A row-parallel shard that would split the groups takes the checkpoint's
+        dense weight instead (quantized again at `pack_weights`): returns the names taken."""
         modules = dict(self.named_modules())
-        for target in {_fused_name(f"{name}.")[0].removesuffix(".") for name in names}:
+        members: dict[str, list[str]] = {}
+        for name in names:
+            members.setdefault(_fused_name(f"{name}.")[0].removesuffix("."), []).append(name)
+        taken = set()
+        for target, checkpoint_names in members.items():
             try:
                 modules[target].expect_int8()
             except ValueError as error:
-                raise ValueError(f"{target}: {error}") from None
+                log.info("%s: %s; quantized from the dense weight instead", target, error)
+                continue
+            taken.update(checkpoint_names)
+        return taken
 
     def enable_lora(self, num_slots: int, max_rank: int, step: LoraStep) -> dict:
         """LoRA slots (layers/lora.py) on every decoder linear. Returns {HF module name:

@@ -217,3 +217,30 @@ def _gguf_blocks(generator, qtype, quants) -> np.ndarray:
     scales = generator.uniform(0.001, 0.05, size=(64, 1, 2)).astype(np.float16)
     blocks[..., 0:4] = scales.view(np.uint8)  # d and dmin
     return blocks.reshape(64, 144)
+
+
+def test_a_shard_that_would_split_q8_0_groups_takes_the_dense_weight():
+    """Rank 0 of 2 with hidden size 32: o_proj's shard holds 16 of the 32 inputs of each
+    Q8_0 group, so it loads the converted dense weight (quantized again per shard); the rest
+    take the file's codes."""
+    from transformers import LlamaConfig
+
+    from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
+    from lmserve.rolling_batch.models.llama import LlamaForCausalLM
+
+    class RankZeroOfTwo(TensorParallelGroup):
+        world_size = 2
+
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+        num_hidden_layers=1, vocab_size=64,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config, RankZeroOfTwo(), 64)
+    layer = "model.layers.0"
+    names = ["model.embed_tokens", f"{layer}.self_attn.o_proj", f"{layer}.mlp.down_proj"]
+    names += [f"{layer}.self_attn.{p}_proj" for p in "qkv"]
+
+    assert model.expect_int8(names) == set(names) - {f"{layer}.self_attn.o_proj"}
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert o_proj.weight.shape == (32, 16) and not o_proj.int8_from_checkpoint
+    assert model.model.layers[0].mlp.down_proj.int8_codes.shape == (32, 64)

@@ -28,6 +28,7 @@ from lmserve.rolling_batch.layers.quantized import (
     quantize_int4,
     quantize_int8,
 )
+from lmserve.rolling_batch.layers.quantized_gpu import GpuInt8Weight
 
 from ..conftest import TEST_CACHE_DIR
 from ..hf_reference import VARIED_PROMPTS, assert_same_or_near_tie, hf_greedy_alone
@@ -76,11 +77,15 @@ DEQUANTIZED = {
 }
 
 
-def quantized_steps(model_dir, method: str):
+def quantized_runner(model_dir, method: str):
     options = RuntimeOptions(
         dtype="fp32", max_model_len=MAX_MODEL_LEN, block_size=16, max_num_seqs=4, quantize=method
     )
-    runner, _, _ = build_runner(model_dir, options, TensorParallelGroup())
+    return build_runner(model_dir, options, TensorParallelGroup())[0]
+
+
+def quantized_steps(model_dir, method: str):
+    runner = quantized_runner(model_dir, method)
     return run_steps(runner, runner.block_size)
 
 
@@ -177,5 +182,9 @@ def test_int8_logits_through_the_gpu_kernel_equal_hf(tiny_model_dir, monkeypatch
     by its interpreter) where `quantized.on_cpu` would pick the CPU's. Its fp32 dot is IEEE,
     so the logits are HF's on the dequantized weights to fp32 summation order."""
     monkeypatch.setattr(quantized, "on_cpu", lambda codes: False)
-    steps = quantized_steps(tiny_model_dir, "int8")
+    runner = quantized_runner(tiny_model_dir, "int8")
+    model = runner.model
+    assert isinstance(model.lm_head_packed, GpuInt8Weight)  # tied: the embedding's too
+    assert isinstance(model.model.layers[1].mlp.down_proj.packed, GpuInt8Weight)
+    steps = run_steps(runner, runner.block_size)
     assert worst_relative_error(steps, quantized_reference(tiny_model_dir, "int8")) < 1e-5
