@@ -952,8 +952,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 // reads them: w = (code - 8) * scale + zero.
 constexpr int64_t kInt4Block = 64;
 
-at::Tensor int4_dequantize_bf16(const at::Tensor& packed, const at::Tensor& scales_and_zeros,
-                                int64_t group_size) {
+// Widened to [in, out] in the dtype of `like`: bf16 (for oneDNN's bf16 matmul where the CPU has
+// it) or fp32 (where bf16 would be emulated).
+at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                           int64_t group_size, const at::Tensor& like) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
               "packed must be torch's contiguous uint8 int4 packing [out, in / 2]");
   const int64_t out_features = packed.size(0), in = packed.size(1) * 2;
@@ -964,29 +966,33 @@ at::Tensor int4_dequantize_bf16(const at::Tensor& packed, const at::Tensor& scal
                   scales_and_zeros.size(0) == in / group_size &&
                   scales_and_zeros.size(1) == out_features && scales_and_zeros.size(2) == 2,
               "scales_and_zeros must be contiguous bf16 [in / group_size, out, 2]");
-  auto out = at::empty({in, out_features}, packed.options().dtype(at::kBFloat16));
-  const uint8_t* codes = packed.data_ptr<uint8_t>();
-  const at::BFloat16* sz = scales_and_zeros.data_ptr<at::BFloat16>();
-  at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  const int64_t blocks = out_features / kInt4Block;
-  at::parallel_for(0, in, 16, [&](int64_t begin, int64_t end) {
-    float scale[kInt4Block], zero[kInt4Block];
-    for (int64_t k = begin; k < end; ++k) {
-      const at::BFloat16* group = sz + (k / group_size) * out_features * 2;
-      at::BFloat16* row = o + k * out_features;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t n0 = b * kInt4Block;
-        for (int64_t j = 0; j < kInt4Block; ++j) {
-          scale[j] = static_cast<float>(group[(n0 + j) * 2]);
-          zero[j] = static_cast<float>(group[(n0 + j) * 2 + 1]) - 8.f * scale[j];
-        }
-        const uint8_t* bytes = codes + (b * in + k) * (kInt4Block / 2);
-        for (int64_t j = 0; j < kInt4Block / 2; ++j) {
-          row[n0 + j] = static_cast<float>(bytes[j] & 15) * scale[j] + zero[j];
-          row[n0 + j + 32] = static_cast<float>(bytes[j] >> 4) * scale[j + 32] + zero[j + 32];
+  TORCH_CHECK(like.scalar_type() == at::kBFloat16 || like.scalar_type() == at::kFloat,
+              "int4 weights widen to bf16 or fp32");
+  auto out = at::empty({in, out_features}, packed.options().dtype(like.scalar_type()));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, like.scalar_type(), "int4_dequantize", [&] {
+    const uint8_t* codes = packed.data_ptr<uint8_t>();
+    const at::BFloat16* sz = scales_and_zeros.data_ptr<at::BFloat16>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t blocks = out_features / kInt4Block;
+    at::parallel_for(0, in, 16, [&](int64_t begin, int64_t end) {
+      float scale[kInt4Block], zero[kInt4Block];
+      for (int64_t k = begin; k < end; ++k) {
+        const at::BFloat16* group = sz + (k / group_size) * out_features * 2;
+        scalar_t* row = o + k * out_features;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t n0 = b * kInt4Block;
+          for (int64_t j = 0; j < kInt4Block; ++j) {
+            scale[j] = static_cast<float>(group[(n0 + j) * 2]);
+            zero[j] = static_cast<float>(group[(n0 + j) * 2 + 1]) - 8.f * scale[j];
+          }
+          const uint8_t* bytes = codes + (b * in + k) * (kInt4Block / 2);
+          for (int64_t j = 0; j < kInt4Block / 2; ++j) {
+            row[n0 + j] = static_cast<float>(bytes[j] & 15) * scale[j] + zero[j];
+            row[n0 + j + 32] = static_cast<float>(bytes[j] >> 4) * scale[j + 32] + zero[j + 32];
+          }
         }
       }
-    }
+    });
   });
   return out;
 }
@@ -1071,7 +1077,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("int8_linear", &int8_linear);
-  m.def("int4_dequantize_bf16", &int4_dequantize_bf16);
+  m.def("int4_dequantize", &int4_dequantize);
   m.def("int8_dequantize", &int8_dequantize);
   m.def("lora_add_", &lora_add_);
   m.def("vector_width", [] { return static_cast<int64_t>(Vec::size()); });

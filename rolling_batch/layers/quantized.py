@@ -11,10 +11,11 @@ Measured against the packed fp32 oneDNN weight it replaces (benchmarks/README.md
 at 1 row, equal at about 32 rows, 10-15% slower at 64-128 rows and 2.4x slower at 2,048. A
 decode step reads every weight once, so a small step gains from reading about a sixth of
 fp32's bytes. A big step is compute bound: where the CPU has native bf16 it widens the whole
-weight to bf16 (a C++ kernel, `int4_dequantize_bf16`, 0.4 ms for 3072 x 576; the weights are
-then rounded to bf16 too, a relative 2^-9) and multiplies with oneDNN's bf16 matmul
-(`dense_from_rows`). No dense copy is kept, so a weight takes 0.5 bytes plus 4 bytes of scale
-and zero a group (0.625).
+weight to bf16 (a C++ kernel, `int4_dequantize`, 0.4 ms for 3072 x 576; the weights are then
+rounded to bf16 too, a relative 2^-9) and multiplies with oneDNN's bf16 matmul
+(`dense_from_rows`); elsewhere (AVX2: the int4 kernel's bf16 is emulated too) it widens to fp32
+from 64 rows (`_int4_dense_dtype`). No dense copy is kept, so a weight takes 0.5 bytes plus 4
+bytes of scale and zero a group (0.625).
 
 Int8: GGUF's Q8_0 layout, int8 codes with one fp32 scale a group of 32 (1.125 bytes a weight),
 for every linear with option.quantize=int8, and with int4 too for the LM head and the embedding
@@ -39,12 +40,13 @@ from lmserve.kernels import cpu_native
 GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 block, and what option.quantize makes
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes (checkpoints bring theirs)
 # The packing wants output features in multiples of 16, and lays out blocks of 64 outputs
-# (a partial last block differently), which int4_dequantize_bf16 reads: whole blocks only.
+# (a partial last block differently), which int4_dequantize reads: whole blocks only.
 _ROW_MULTIPLE = 64
 _SCALE_DTYPE = torch.bfloat16  # the kernel reads scales and zeros in the activations' dtype
 _INT8_BLOCK = 4096  # output features dequantized at once (9 MiB of fp32 at 576 inputs)
 _DENSE_BF16_FROM_ROWS = 32  # see dense_from_rows
 _DENSE_FP32_FROM_ROWS = 128
+_INT4_DENSE_FP32_FROM_ROWS = 64  # see _int4_dense_dtype
 
 
 class QuantizedWeight(Protocol):
@@ -92,11 +94,13 @@ class Int4Weight:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        native = cpu_native.ops_for(x) if x.shape[0] >= dense_from_rows(torch.bfloat16) else None
-        if native is not None:
-            # A big step: the whole weight widened to bf16 for oneDNN's bf16 matmul.
-            dense = native.int4_dequantize_bf16(self.packed, self.scales_and_zeros, self.group_size)
-            out = torch.matmul(x.to(torch.bfloat16), dense)
+        native = cpu_native.ops_for(x)
+        widen_to = _int4_dense_dtype(x.shape[0]) if native is not None else None
+        if widen_to is not None:
+            # A big step: the whole weight widened for one dense matmul.
+            parts = (self.packed, self.scales_and_zeros, self.group_size)
+            dense = native.int4_dequantize(*parts, x.new_empty(0, dtype=widen_to))
+            out = torch.matmul(x.to(widen_to), dense)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), self.packed, self.group_size, self.scales_and_zeros
@@ -185,6 +189,20 @@ def dense_from_rows(dtype: torch.dtype) -> int | float:
     if dtype == torch.bfloat16 and cpu_native.cpu_has_native_bf16():
         return _DENSE_BF16_FROM_ROWS
     return math.inf
+
+
+def _int4_dense_dtype(rows: int) -> torch.dtype | None:
+    """The dtype a step of `rows` widens int4 weights to (None: the int4 kernel serves it):
+    bf16 from 32 rows where the CPU has it; elsewhere fp32 from _INT4_DENSE_FP32_FROM_ROWS.
+    Measured with native bf16 set aside (3072 x 576, 2 threads, AMX Xeon; ms at 48 / 64 /
+    256 / 2,048 rows): widened to fp32 (0.6 ms) + fp32 matmul 1.32 / 1.30 / 4.05 / 23.5
+    against the int4 kernel's 1.23 / 1.58 / 5.65 / 47.1. An AVX2-only CPU, whose int4 kernel
+    emulates bf16 in half-width vectors, is not measured."""
+    if rows >= dense_from_rows(torch.bfloat16):
+        return torch.bfloat16
+    if not cpu_native.cpu_has_native_bf16() and rows >= _INT4_DENSE_FP32_FROM_ROWS:
+        return torch.float32
+    return None
 
 
 def can_quantize(weight: torch.Tensor) -> bool:

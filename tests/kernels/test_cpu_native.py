@@ -213,19 +213,24 @@ def test_int8_linear_refuses_inputs_no_multiple_of_32(native):
 
 
 @pytest.mark.parametrize(("out_features", "group_size"), [(64, 32), (200, 64), (128, 128)])
-def test_int4_dequantize_bf16_widens_torchs_int4_packing(native, out_features, group_size):
+def test_int4_dequantize_widens_torchs_int4_packing(native, out_features, group_size):
     """The codes in torch's CPU int4 packing (outputs padded to whole blocks of 64: 200 -> 256),
-    widened to bf16 [in, out]: the weight the int4 kernel multiplies by, rounded to bf16."""
+    widened to [in, out]: the weight the int4 kernel multiplies by, in fp32 (computed as
+    q s + (z - 8 s): within two roundings of (q - 8) s + z) or rounded to bf16."""
     generator = torch.Generator().manual_seed(out_features)
     weight = torch.randn(out_features, 256, generator=generator)
     codes, scales, zeros = quantize_int4(weight, group_size)
     int4 = Int4Weight(codes, scales, zeros, group_size=group_size)
-    got = native.int4_dequantize_bf16(int4.packed, int4.scales_and_zeros, group_size)
+    fp32 = native.int4_dequantize(int4.packed, int4.scales_and_zeros, group_size, torch.zeros(0))
     padded = int4.packed.shape[0]
-    assert got.dtype == torch.bfloat16 and got.shape == (256, padded)
+    assert fp32.dtype == torch.float32 and fp32.shape == (256, padded)
     expected = dequantize_int4(codes, scales, zeros, group_size)
-    close(got[:, :out_features], expected.T.bfloat16(), torch.bfloat16)
-    assert not got[:, out_features:].any()  # padding rows: scale 0, zero 0
+    terms = dequantize_int4(torch.full_like(codes, 16), scales.abs(), zeros.abs(), group_size)
+    assert bool(((fp32[:, :out_features] - expected.T).abs() <= terms.T * 2**-22).all())
+    assert not fp32[:, out_features:].any()  # padding rows: scale 0, zero 0
+    like = torch.zeros(0, dtype=torch.bfloat16)
+    got = native.int4_dequantize(int4.packed, int4.scales_and_zeros, group_size, like)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, fp32.bfloat16())
     # The int4 kernel multiplies by the same weight (its products then round to bf16).
     x = torch.eye(256, dtype=torch.bfloat16)
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -59,6 +59,23 @@ def test_int4_linear_equals_bf16_arithmetic_on_the_dequantized_weight(rows, out_
     torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [64, 300])
+def test_without_native_bf16_big_int4_steps_multiply_the_fp32_weight(rows, monkeypatch):
+    """Where bf16 is emulated (AVX2 only) a big step widens the int4 weight to fp32 instead:
+    the dequantized weight exactly (to two fp32 roundings) times x unrounded, where the int4
+    kernel would round x and the product to bf16 (2^-9)."""
+    if cpu_native.native_ops() is None:
+        pytest.skip("no C++ CPU kernels on this machine")
+    monkeypatch.setattr(cpu_native, "cpu_has_native_bf16", lambda: False)
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(200, 96, generator=generator)
+    int4 = Int4Weight.quantize(weight)
+    dequantized = dequantize_int4(*quantize_int4(weight))
+    x = torch.randn(rows, 96, generator=generator)
+    assert rows >= quantized._INT4_DENSE_FP32_FROM_ROWS
+    torch.testing.assert_close(int4(x), x @ dequantized.T, rtol=1e-5, atol=1e-5)
+
+
 def test_int4_weights_take_five_eighths_of_a_byte_each():
     weight = Int4Weight.quantize(torch.randn(3072, 576))
     assert weight.nbytes / (3072 * 576) == pytest.approx(0.625)
