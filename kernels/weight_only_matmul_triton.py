@@ -12,7 +12,8 @@ Layouts (what `layers/quantized_gpu.py` builds):
 
 Each program computes a BLOCK_M x BLOCK_N tile of the output, accumulating in fp32; the widened
 weight tile is cast to the activations' dtype for `tl.dot` (fp32 activations use IEEE fp32
-products, not TF32, so an fp32 model multiplies by exactly the dequantized weight).
+products, not TF32, so an fp32 model multiplies by exactly the dequantized weight). The
+pure-torch reference: kernels/weight_only_matmul.py.
 """
 
 from __future__ import annotations

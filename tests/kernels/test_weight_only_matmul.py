@@ -1,15 +1,16 @@
-"""The GPU's weight-only int4/int8 matmul (Triton, run by its CPU interpreter here) against the
-dequantized weight: in fp32 the same product as a dense fp32 linear up to summation order; in
-fp16/bf16 the weight rounded to the activations' dtype, as a dense half-precision model holds
-it, products summed in fp32 and the output rounded once. The interpreter narrows to bf16 by
-truncating (a GPU rounds to nearest), so bf16 is held to one bf16 unit a weight and on the
-output."""
+"""The GPU's weight-only int4/int8 matmul (Triton, run by its CPU interpreter here) and its
+pure-torch reference (kernels/weight_only_matmul.py) against the dequantized weight: in fp32 the
+same product as a dense fp32 linear up to summation order; in fp16/bf16 the weight rounded to
+the activations' dtype, as a dense half-precision model holds it, products summed in fp32 and
+the output rounded once. The interpreter narrows to bf16 by truncating (a GPU rounds to
+nearest), so the kernel's bf16 is held to one bf16 unit a weight and on the output."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from lmserve.kernels.weight_only_matmul import weight_only_matmul_reference
 from lmserve.kernels.weight_only_matmul_triton import weight_only_matmul
 from lmserve.rolling_batch.layers.quantized import dequantize_int8
 from lmserve.rolling_batch.layers.quantized_gpu import GpuInt4Weight, GpuInt8Weight
@@ -28,9 +29,10 @@ def int4_case(out_features, in_features, group_size, generator):
     return (codes, scales, zeros), weight
 
 
-def assert_product(got, x, weight, bias=None):
+def assert_product(got, x, weight, bias=None, interpreted=True):
     """`got` is x @ weight.T + bias with weight and x in x's dtype, summed exactly enough:
-    within fp32 summation error plus one rounding to x's dtype."""
+    within fp32 summation error plus one rounding to x's dtype (`interpreted`: bf16 truncated
+    instead)."""
     assert got.dtype == x.dtype and got.shape == (x.shape[0], weight.shape[0])
     exact = x.double() @ weight.to(x.dtype).double().T
     magnitude = x.double().abs() @ weight.to(x.dtype).double().abs().T
@@ -38,7 +40,7 @@ def assert_product(got, x, weight, bias=None):
         exact += bias.double()
         magnitude += bias.double().abs()
     bound = exact.abs() * UNIT_ROUNDING[x.dtype] + magnitude * weight.shape[1] * 2**-24
-    if x.dtype == torch.bfloat16:  # truncated, not rounded: a whole unit, on weights too
+    if interpreted and x.dtype == torch.bfloat16:  # truncated: a whole unit, on weights too
         bound = exact.abs() * 2**-7 + magnitude * (2**-7 + weight.shape[1] * 2**-24)
     assert bool(((got.double() - exact).abs() <= bound + 1e-30).all())
 
@@ -54,8 +56,10 @@ def test_int4_product_is_the_dequantized_weights(
     generator = torch.Generator().manual_seed(rows)
     (codes, scales, zeros), weight = int4_case(out_features, in_features, group_size, generator)
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
-    got = GpuInt4Weight(codes, scales, zeros, group_size)(x)
-    assert_product(got, x, weight)
+    int4 = GpuInt4Weight(codes, scales, zeros, group_size)
+    assert_product(int4(x), x, weight)
+    parts = (int4.codes, int4.scales, int4.zeros, group_size)
+    assert_product(weight_only_matmul_reference(x, *parts), x, weight, interpreted=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -68,6 +72,8 @@ def test_int8_product_is_the_dequantized_weights_and_rows_are_its_rows(dtype, ro
     x = torch.randn(rows, 256, generator=generator).to(dtype)
     int8 = GpuInt8Weight(codes, scales)
     assert_product(int8(x), x, weight)
+    reference = weight_only_matmul_reference(x, int8.codes, int8.scales, None, 32)
+    assert_product(reference, x, weight, interpreted=False)
     ids = torch.tensor([3, 0, out_features - 1])
     assert torch.equal(int8.rows(ids, dtype), weight[ids].to(dtype))
 
