@@ -12,7 +12,7 @@ import torch
 
 from lmserve.kernels.weight_only_matmul_triton import weight_only_matmul
 
-from .quantized import GROUP_SIZE, dequantize_int8
+from .quantized import GROUP_SIZE, Int8Weight
 
 
 class GpuInt4Weight:
@@ -37,24 +37,9 @@ class GpuInt4Weight:
         return weight_only_matmul(x, self.codes, self.scales, self.zeros, self.group_size, bias)
 
 
-class GpuInt8Weight:
-    """A [out, in] weight as int8 codes, a scale a group; called like `linear(x, weight)`."""
-
-    bits = 8
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor):
-        """codes [out, in] int8; scales [out, in / GROUP_SIZE] (w = code * scale)."""
-        self.out_features, self.in_features = codes.shape
-        self.codes = codes.to(torch.int8).contiguous()
-        self.scales = scales.float().contiguous()
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows `ids` of the weight (an embedding lookup)."""
-        return dequantize_int8(self.codes[ids], self.scales[ids]).to(dtype)
+class GpuInt8Weight(Int8Weight):
+    """An `Int8Weight` (same codes and scales, same embedding lookup) multiplied by the
+    Triton kernel."""
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return weight_only_matmul(x, self.codes, self.scales, None, GROUP_SIZE, bias)
