@@ -8,7 +8,6 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import msgspec
 
@@ -21,40 +20,11 @@ from .chat_template import ChatTemplate
 from .detokenizer import IncrementalDetokenizer
 from .engine_events import PredictionError, next_event
 from .interface import EngineConnection
-from .outputs import Completion, Generation, TokenOutput, complete, shape_response, to_json
+from .outputs import Completion, Generation, complete, shape_response, to_json
 from .request_parsing import BadRequest, TextRequest
+from .streamed_sequences import StreamedSequence, shape_event, stream_events
 from .tokenizer import Tokenizer
 from .truncation import keep_last_tokens
-
-
-@dataclass
-class _StreamedSequence:
-    """One sequence of a streamed request (OpenAI's `n` streams several)."""
-
-    index: int
-    prompt: str
-    prompt_ids: list[int]
-    detokenizer: IncrementalDetokenizer
-    generation: Generation = field(default_factory=Generation)
-    completion: Completion | None = None  # once its last token is shaped
-
-    def complete(self) -> Completion:
-        """The text and tokens the detokenizer let through (up to a stop sequence)."""
-        detokenizer, generation = self.detokenizer, self.generation
-        num_tokens = len(detokenizer.token_ids)
-        reason = "stop_sequence" if detokenizer.stopped else generation.finish_reason
-        top = generation.top_logprobs
-        return Completion(
-            self.prompt,
-            detokenizer.text,
-            detokenizer.token_ids,
-            generation.log_probs[:num_tokens],
-            reason,
-            None if top is None else top[:num_tokens],
-            list(self.prompt_ids),
-            generation.prompt_log_probs,
-            generation.prompt_top_logprobs,
-        )
 
 
 class Predictor:
@@ -139,61 +109,13 @@ class Predictor:
                 self.client.finish(engine_id, abort=True)
             raise
         sequences = {
-            engine_id: _StreamedSequence(
+            engine_id: StreamedSequence(
                 index, prompt, prompt_ids, IncrementalDetokenizer(self.tokenizer, stop_sequences)
             )
             for index, engine_id in enumerate(engine_ids)
         }
-        return self._stream_events(sequences, events, first, submitted, responder)
-
-    def _stream_events(self, sequences, events, event, since, responder):
-        running = set(sequences)
-        try:
-            while True:
-                if event.id in running:  # not one ended here by its stop sequence
-                    sequence = sequences[event.id]
-                    yield from self._shape_event(sequence, event, responder)
-                    if sequence.completion is not None:
-                        running.discard(event.id)
-                        self.client.finish(event.id, abort=sequence.detokenizer.stopped)
-                if not running:
-                    break
-                event = self._next_event(events, since)
-            trailer = responder.done([sequence.completion for sequence in sequences.values()])
-            if trailer:
-                yield trailer
-        except PredictionError as error:
-            # The engine dropped the failed sequence; any other is dropped with it.
-            if error.request_id in running:
-                running.discard(error.request_id)
-                self.client.finish(error.request_id, abort=False)
-            yield responder.error(error.status, error.message)
-        finally:
-            # A client that went away ends the request in the engine too.
-            for engine_id in running:
-                self.client.finish(engine_id, abort=True)
-
-    def _shape_event(self, sequence, event, responder) -> Iterator[str]:
-        """`responder`'s pieces for an event's tokens; the sequence's last one (the
-        generation's final token, or the one that completed a stop sequence) sets its
-        completion."""
-        generation = sequence.generation
-        generation.add(event)
-        done = generation.finish_reason is not None
-        tops = event.top_logprobs or [None] * len(event.token_ids)
-        tokens = list(zip(event.token_ids, event.log_probs, tops))
-        for index, (token, log_prob, top) in enumerate(tokens):
-            detokenizer = sequence.detokenizer
-            text = detokenizer.add(token)
-            last = detokenizer.stopped or (done and index == len(tokens) - 1)
-            if last:
-                text += detokenizer.finish()
-                sequence.completion = sequence.complete()
-            special = token in self.tokenizer.special_ids
-            shaped = TokenOutput(token, text, log_prob, special, top, sequence.index)
-            yield responder.token(shaped, sequence.completion)
-            if last:
-                return
+        following = lambda: self._next_event(events, submitted)  # noqa: E731
+        return stream_events(sequences, first, following, self.client, responder, self.tokenizer)
 
     def predict_shaped(self, request: TextRequest, request_id: str, responder, client_gone=None):
         """One input's whole answer as `responder` shapes it token by token (a model.py's
@@ -209,12 +131,12 @@ class Predictor:
         )
         # The whole generation replayed as one final event through the streaming path.
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.stop_sequences)
-        sequence = _StreamedSequence(0, prompt, prompt_ids, detokenizer)
+        sequence = StreamedSequence(0, prompt, prompt_ids, detokenizer)
         replay = protocol.FinalEvent(
             "", generation.token_ids, generation.log_probs, generation.finish_reason, 1,
             generation.top_logprobs, generation.prompt_log_probs, generation.prompt_top_logprobs,
         )  # fmt: skip
-        return "".join(self._shape_event(sequence, replay, responder))
+        return "".join(shape_event(sequence, replay, responder, self.tokenizer))
 
     def chat(self, chat: ChatRequest, request_id: str, client_gone=None):
         """A `chat.completion`, or (streaming) the iterator of its chunks."""
