@@ -14,11 +14,16 @@ benchmarks/results/vllm/<workload>-<dtype>/. `--workloads NAME ...` runs some of
 
     .venv/bin/python -m lmserve.benchmarks.vllm_compare --vllm-python VENV/bin/python \
         --workloads single-in32-out256 --rounds 1
+
+`--speculate` runs both servers with n-gram speculative decoding (prompt lookup, up to
+`SPECULATIVE_LENGTH` drafted tokens a step, n-grams of 1-4 tokens: vLLM's `ngram` method and
+lmserve's `option.speculative_draft_model=[ngram]`); results go to <workload>-<dtype>-ngram/.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -38,6 +43,7 @@ from .workload import Lengths, PromptBuilder, plan
 HERE = Path(__file__).resolve().parent
 MAX_MODEL_LEN = 2048  # the shared-prefix workload's prompts are ~1,056 tokens
 MAX_SEQS = 64
+SPECULATIVE_LENGTH = 5  # LMI's default option.speculative_length
 
 
 @dataclass(frozen=True)
@@ -101,8 +107,15 @@ VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 VLLM_CWD = tempfile.gettempdir()
 
 
-def lmserve_properties(dtype: str, prefix_caching: bool = True) -> dict[str, object]:
+def lmserve_properties(
+    dtype: str, prefix_caching: bool = True, speculate: bool = False
+) -> dict[str, object]:
+    drafts = {
+        "option.speculative_draft_model": "[ngram]",
+        "option.speculative_length": SPECULATIVE_LENGTH,
+    }
     return {
+        **(drafts if speculate else {}),
         "option.enable_prefix_caching": str(prefix_caching).lower(),
         "engine": "MPI",
         "option.tensor_parallel_degree": 1,
@@ -115,7 +128,9 @@ def lmserve_properties(dtype: str, prefix_caching: bool = True) -> dict[str, obj
 
 
 @contextmanager
-def running_vllm(python: str, model_dir: Path, dtype: str, port: int, log_path: Path):
+def running_vllm(
+    python: str, model_dir: Path, dtype: str, port: int, log_path: Path, speculate: bool = False
+):
     """vLLM's OpenAI server on loopback; yields its base URL once /health answers."""
     cores = len(os.sched_getaffinity(0))
     env = {
@@ -149,6 +164,14 @@ def running_vllm(python: str, model_dir: Path, dtype: str, port: int, log_path: 
         # from either cache alike); the shared-prefix workloads are what it is for.
         "--enable-prefix-caching",
     ]
+    if speculate:
+        ngram = {
+            "method": "ngram",
+            "num_speculative_tokens": SPECULATIVE_LENGTH,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 4,
+        }
+        command += ["--speculative-config", json.dumps(ngram)]
     url = f"http://127.0.0.1:{port}"
     with log_path.open("w") as log:
         server = subprocess.Popen(
@@ -205,6 +228,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8099, help="lmserve's; vLLM's is the next")
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs per server")
     parser.add_argument(
+        "--speculate", action="store_true", help="both servers with n-gram speculative decoding"
+    )
+    parser.add_argument(
         "--workloads",
         nargs="+",
         choices=[w.name for w in WORKLOADS],
@@ -237,10 +263,15 @@ def main() -> None:
         # Where a workload shares prefixes, lmserve with its prefix cache off runs too: what
         # the cache itself is worth.
         uncached = any(w.shares_prefixes for w in workloads)
+        speculate = options.speculate
         with (
-            running_server(lmserve_properties(dtype), options.port) as (ours, _),
-            running_vllm(options.vllm_python, model_dir, dtype, options.port + 1, log_path) as peer,
-            _maybe_server(uncached, lmserve_properties(dtype, False), options.port + 2) as off,
+            running_server(lmserve_properties(dtype, True, speculate), options.port) as (ours, _),
+            running_vllm(
+                options.vllm_python, model_dir, dtype, options.port + 1, log_path, speculate
+            ) as peer,
+            _maybe_server(
+                uncached, lmserve_properties(dtype, False, speculate), options.port + 2
+            ) as off,
         ):
             for (w, round_), requests in planned.items():
                 label = f", round {round_}" if options.rounds > 1 else ""
@@ -251,9 +282,11 @@ def main() -> None:
                 if w.shares_prefixes:
                     off_run = measure(off, "lmserve", requests, None, w.concurrency)
                     runs[w.name][f"lmserve, prefix cache off{label}"] = off_run
+        drafts = ", n-gram speculative decoding" if speculate else ""
         for w in workloads:
-            title = f"lmserve vs vLLM, {dtype}: {w.describe()}, SmolLM2-135M, 2-core CPU"
-            report.write(runs[w.name], options.out / f"{w.name}-{dtype}", title)
+            title = f"lmserve vs vLLM, {dtype}{drafts}: {w.describe()}, SmolLM2-135M, 2-core CPU"
+            folder = f"{w.name}-{dtype}" + ("-ngram" if speculate else "")
+            report.write(runs[w.name], options.out / folder, title)
             print(f"\n{title}\n{report.markdown(runs[w.name])}")
 
 

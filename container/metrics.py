@@ -46,6 +46,8 @@ def render(stats: dict | None, model_name: str) -> str:
         "num_preemptions": "requests preempted for KV blocks",
         "prefix_cache_query_tokens": "tokens of joining requests looked up in the prefix cache",
         "prefix_cache_hit_tokens": "of those, tokens found cached (not computed again)",
+        "spec_draft_tokens": "drafted tokens checked by speculative decoding",
+        "spec_accepted_tokens": "of those, tokens the model agreed with (kept)",
         "num_steps": "rolling-batch steps run",
         "step_sequences": "sequences in rolling-batch steps (over num_steps: the mean batch)",
     }

@@ -75,6 +75,8 @@ class ServingConfig:
     enable_prefix_caching: bool  # resolved: the default follows paged_attention
     enable_chunked_prefill: bool
     quantize: str | None  # int4/int8 at load, awq/gptq checkpoints; the rolling batch
+    speculative_draft_model: str | None  # "ngram" (prompt lookup) or None: no speculation
+    speculative_length: int
     enable_lora: bool
     max_loras: int
     max_lora_rank: int

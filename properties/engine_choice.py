@@ -25,6 +25,8 @@ ROLLING_ONLY_KEYS = (
     "option.num_kv_blocks",
     "option.cpu_kv_cache_fraction",
     "option.gpu_memory_utilization",
+    "option.speculative_draft_model",
+    "option.speculative_length",
 )
 DYNAMIC_ONLY_KEYS = ("max_batch_delay",)
 

@@ -107,6 +107,19 @@ def output_formatter(text_value: str) -> str:
     raise ValueError("json, jsonlines, sse, a function in model.py, or <module>:<function>")
 
 
+def speculative_drafts(text_value: str) -> str | None:
+    """vLLM's (and so LMI's) spelling of n-gram drafts is "[ngram]"; "ngram" is taken too."""
+    value = text_value.strip().lower()
+    if value == "":
+        return None
+    if value in ("[ngram]", "ngram"):
+        return "ngram"
+    raise ValueError(
+        '"[ngram]" (drafts looked up in the sequence\'s own tokens) or unset; draft models'
+        " are not served"
+    )
+
+
 def quantization(text_value: str) -> str | None:
     method = text_value.strip().lower()
     if method == "":
@@ -283,6 +296,10 @@ SETTINGS: tuple[Setting, ...] = (
     # refused by name rather than silently served unquantized.
     Setting("option.quantize", "quantize", quantization, None, ("HF_MODEL_QUANTIZE",)),
     # LoRA adapters in <model dir>/adapters/<name>/ (PEFT folders), chosen per request.
+    # Speculative decoding, LMI's names: the draft model (only "[ngram]", prompt lookup, is
+    # served) and the most tokens drafted a step.
+    Setting("option.speculative_draft_model", "speculative_draft_model", speculative_drafts, None),
+    Setting("option.speculative_length", "speculative_length", integer(1), 5),
     Setting("option.enable_lora", "enable_lora", boolean, False),
     Setting("option.max_loras", "max_loras", integer(1), 4),  # adapters in one step
     Setting("option.max_lora_rank", "max_lora_rank", integer(1), 16),

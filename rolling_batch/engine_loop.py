@@ -64,6 +64,7 @@ class RollingEngine:
         self.stats = EngineStats()
         self._unstreamed: set[Request] = set()  # answered with one final event
         self._prefix_seen = (0, 0)  # prefix-cache (query, hit) tokens at the last log line
+        self._drafts_seen = (0, 0)  # speculative (drafted, kept) tokens at the last log line
         blocks = scheduler.blocks
         self.capacity_tokens = min(blocks.num_blocks * blocks.block_size, scheduler.max_model_len)
 
@@ -122,11 +123,7 @@ class RollingEngine:
             return
         timer.mark("forward")
         self.scheduler.record_prompt_scores(out, step_logits.prompt_scores)
-        try:
-            sampled, failed = self.sampler.sample(step_logits.logits, out.sampling)
-        except Exception as error:  # a sampler bug must not end the engine; rank 0 only
-            log.exception("sampling failed; failing its %d requests", len(out.sampling))
-            sampled, failed = {}, [(request, error) for request in out.sampling]
+        sampled, failed = self._sample(step_logits.logits, out)
         timer.mark("sample")
         for request, error in failed:
             self._fail([request], 424, f"sampling failed: {error}")
@@ -140,11 +137,29 @@ class RollingEngine:
         timer.mark("send")
         self._profile(timer, len(out.requests))
 
+    def _sample(self, logits: torch.Tensor, out: SchedulerOutput):
+        """({request: Sample, or [Sample] where it speculated}, [(request, error)])."""
+        plain, plain_rows, drafts, draft_rows = out.logit_rows()
+        if drafts:
+            logits, draft_logits = logits[plain_rows], logits[draft_rows]
+        try:
+            sampled, failed = self.sampler.sample(logits, plain)
+        except Exception as error:  # a sampler bug must not end the engine; rank 0 only
+            log.exception("sampling failed; failing its %d requests", len(plain))
+            sampled, failed = {}, [(request, error) for request in plain]
+        if drafts:
+            try:
+                sampled.update(self.sampler.verify(draft_logits, drafts))
+            except Exception as error:
+                log.exception("checking drafts failed; failing their %d requests", len(drafts))
+                failed += [(request, error) for request, _ in drafts]
+        return sampled, failed
+
     def _profile(self, timer: PhaseTimer, batch_size: int) -> None:
         self.stats.steps.record(timer, batch_size)
         summary = self.stats.steps.take_summary(_PROFILE_LOG_S)
         if summary is not None:
-            log.info("%s%s", summary, self._prefix_cache_summary())
+            log.info("%s%s%s", summary, self._prefix_cache_summary(), self._draft_summary())
 
     def _prefix_cache_summary(self) -> str:
         """The prefix cache's hit rate since the last log line."""
@@ -152,34 +167,45 @@ class RollingEngine:
         if not scheduler.blocks.enable_prefix_caching:
             return ""
         counts = (scheduler.num_prefix_query_tokens, scheduler.num_prefix_hit_tokens)
-        queried, hit = (now - before for now, before in zip(counts, self._prefix_seen))
+        queried, hit, rate = _share_since(counts, self._prefix_seen)
         self._prefix_seen = counts
-        rate = 100 * hit / queried if queried else 0.0
         return f"; prefix cache: {hit} of {queried} prompt tokens cached ({rate:.0f}%)"
+
+    def _draft_summary(self) -> str:
+        """Speculative decoding's acceptance since the last log line."""
+        drafter = self.scheduler.drafter
+        if drafter is None:
+            return ""
+        counts = (drafter.num_drafted, drafter.num_accepted)
+        drafted, accepted, rate = _share_since(counts, self._drafts_seen)
+        self._drafts_seen = counts
+        return f"; drafts: {accepted} of {drafted} tokens kept ({rate:.0f}%)"
 
     def _events_by_worker(self, produced, batch_size: int) -> dict[bytes, list[protocol.Event]]:
         events: dict[bytes, list[protocol.Event]] = {}
-        for request, sample in produced:
-            event = self._event(request, sample, batch_size)
+        for request, samples in produced:
+            event = self._event(request, samples, batch_size)
             if event is not None:
                 events.setdefault(request.reply_to, []).append(event)
         return events
 
-    def _event(self, request: Request, sample: Sample, batch_size: int):
-        """The event for this step's token, counted in the stats; None for a request that is
-        not streamed and not finished (its final event carries every token). A streamed
-        request's first event carries its prompt's log-probs, if asked."""
+    def _event(self, request: Request, samples: list[Sample], batch_size: int):
+        """The event for this step's tokens (one, or more where a draft was kept), counted in
+        the stats; None for a request that is not streamed and not finished (its final event
+        carries every token). A streamed request's first event carries its prompt's
+        log-probs, if asked."""
         now = time.monotonic()
         first = request.first_token_time is None
         if first:
             request.first_token_time = now
             self.stats.time_to_first_token.observe(now - request.arrival_time)
         else:
-            self.stats.time_per_token.observe(now - request.last_token_time)
+            for _ in samples:  # the step's time shared among its tokens
+                self.stats.time_per_token.observe((now - request.last_token_time) / len(samples))
         request.last_token_time = now
-        self.stats.tokens_generated += 1
+        self.stats.tokens_generated += len(samples)
         if request.params.adapter is not None:
-            self.stats.adapter_tokens[request.params.adapter] += 1
+            self.stats.adapter_tokens[request.params.adapter] += len(samples)
         unstreamed = request in self._unstreamed
         if request.finish_reason is not None:
             self.stats.finished[request.finish_reason] += 1
@@ -190,8 +216,11 @@ class RollingEngine:
             token_ids, log_probs = request.output_ids, request.output_log_probs
             top = request.output_top_logprobs if request.params.top_logprobs else None
         else:
-            token_ids, log_probs = [sample.token], [sample.log_prob]
-            top = None if sample.top_logprobs is None else [sample.top_logprobs]
+            token_ids = [sample.token for sample in samples]
+            log_probs = [sample.log_prob for sample in samples]
+            top = None
+            if request.params.top_logprobs:
+                top = [sample.top_logprobs for sample in samples]
         prompt = _prompt_log_probs(request) if first or unstreamed else {}
         if request.finish_reason is None:
             return protocol.TokenEvent(request.request_id, token_ids, log_probs, top, **prompt)
@@ -288,10 +317,26 @@ class RollingEngine:
             "prefix_cache_query_tokens": self.scheduler.num_prefix_query_tokens,
             "prefix_cache_hit_tokens": self.scheduler.num_prefix_hit_tokens,
             "prefix_cached_blocks": blocks.num_cached,
+            **self._speculation_counts(),
+        }
+
+    def _speculation_counts(self) -> dict:
+        drafter = self.scheduler.drafter
+        if drafter is None:
+            return {}
+        return {
+            "spec_draft_tokens": drafter.num_drafted,
+            "spec_accepted_tokens": drafter.num_accepted,
         }
 
     def _send(self, identity: bytes, event: protocol.FromEngine) -> None:
         self.socket.send_multipart([identity, protocol.encode(event)])
+
+
+def _share_since(counts: tuple[int, int], seen: tuple[int, int]) -> tuple[int, int, float]:
+    """(all, part, part in percent) of two running counts since they were `seen`."""
+    total, part = (now - before for now, before in zip(counts, seen))
+    return total, part, 100 * part / total if total else 0.0
 
 
 def _prompt_log_probs(request: Request) -> dict:

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lmserve.properties.config import default_cache_dir
+from lmserve.properties.settings import speculative_drafts
 
 from . import protocol
 from .engine_setup import RuntimeOptions, build_runner
@@ -60,10 +61,14 @@ class LLM:
         max_loras: int = 4,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        speculative_draft_model: str | None = None,
+        speculative_length: int = 5,
         loading_timeout_s: float = 600.0,
     ):
         """The options are serving.properties' of the same names; with `enable_lora` the
-        adapters are the PEFT folders in `<model>/adapters/<name>/`."""
+        adapters are the PEFT folders in `<model>/adapters/<name>/`; with
+        `speculative_draft_model="[ngram]"` up to `speculative_length` drafted tokens are
+        checked a step (the same tokens, fewer steps where the text repeats itself)."""
         from transformers import AutoTokenizer
 
         cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -72,6 +77,8 @@ class LLM:
             self.model_path, trust_remote_code=trust_remote_code
         )
         self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
+        drafts = speculative_drafts(speculative_draft_model or "")
+        self._speculative_length = speculative_length if drafts else 0
         options = RuntimeOptions(
             dtype=dtype,
             max_model_len=max_model_len,
@@ -111,7 +118,12 @@ class LLM:
             self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompts
         ]
         outputs = self._engine.generate(
-            prompt_ids, max_new_tokens, sorted(self.eos_token_ids), ignore_eos, list(adapters)
+            prompt_ids,
+            max_new_tokens,
+            sorted(self.eos_token_ids),
+            ignore_eos,
+            list(adapters),
+            self._speculative_length,
         )
         return [
             GenerationResult(text, self.tokenizer.decode(ids, skip_special_tokens=True), ids)
@@ -135,7 +147,7 @@ class _InProcessEngine:
         )
         self.max_running = options.max_num_seqs
 
-    def generate(self, prompts, max_new_tokens, eos_token_ids, ignore_eos, adapters):
+    def generate(self, prompts, max_new_tokens, eos_token_ids, ignore_eos, adapters, drafts):
         runner = self.runner
         return generate_greedy(
             runner.execute,
@@ -149,6 +161,7 @@ class _InProcessEngine:
             ignore_eos,
             adapters=adapters,
             lora=runner.lora,
+            speculative_length=drafts,
         )
 
     def close(self) -> None:
@@ -174,7 +187,7 @@ class _MPIEngine:
         self._socket.connect(address)
         self._request({"op": "hello"}, timeout_s)
 
-    def generate(self, prompts, max_new_tokens, eos_token_ids, ignore_eos, adapters):
+    def generate(self, prompts, max_new_tokens, eos_token_ids, ignore_eos, adapters, drafts):
         reply = self._request(
             {
                 "op": "generate",
@@ -183,6 +196,7 @@ class _MPIEngine:
                 "eos_token_ids": eos_token_ids,
                 "ignore_eos": ignore_eos,
                 "adapters": adapters,
+                "speculative_length": drafts,
             },
             timeout_s=None,
         )

@@ -29,7 +29,9 @@ class PromptScores(NamedTuple):
 
 
 class StepLogits(NamedTuple):
-    logits: torch.Tensor  # fp32 [number of chunks that need them, vocab], in chunk order
+    # fp32 [sum of the chunks' num_logits, vocab], in chunk order (a speculating decode has
+    # one row after each drafted token too)
+    logits: torch.Tensor
     prompt_scores: dict[int, PromptScores]  # by chunk index, for chunks that ask
 
 
@@ -48,7 +50,7 @@ class ModelRunner:
         return self.kv_caches[0][0].shape[0]
 
     def execute(self, chunks: list[SequenceChunk]) -> torch.Tensor:
-        """fp32 logits `[number of chunks that need them, vocab]`, in chunk order."""
+        """fp32 logits `[sum of the chunks' num_logits, vocab]`, in chunk order."""
         return self.execute_step(chunks).logits
 
     @torch.inference_mode()
@@ -99,8 +101,7 @@ class ModelRunner:
                 )
             q_starts.append(len(token_ids))
             seq_lens.append(chunk.num_computed + len(chunk.token_ids))
-            if chunk.needs_logits:
-                logits_rows.append(len(token_ids) - 1)
+            logits_rows += range(len(token_ids) - chunk.num_logits, len(token_ids))
         width = max(len(chunk.block_ids) for chunk in chunks)
         tables = [list(chunk.block_ids) + [0] * (width - len(chunk.block_ids)) for chunk in chunks]
 

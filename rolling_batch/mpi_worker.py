@@ -142,6 +142,7 @@ def serve_driver(runner, broadcaster: StepBroadcaster, address: str, limits) -> 
                     message["ignore_eos"],
                     adapters=message["adapters"],
                     lora=runner.lora,
+                    speculative_length=message["speculative_length"],
                 )
                 reply = {"token_ids": token_ids}
             except ValueError as error:  # refused before any step: the other ranks are idle

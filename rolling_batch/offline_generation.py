@@ -13,6 +13,7 @@ from .lora_manager import LoraManager
 from .protocol import GenerationParams, adapter_refusal
 from .request import Request
 from .scheduler import Scheduler
+from .speculation import NgramDrafter, accepted_prefix
 from .step import Sample, SequenceChunk
 
 
@@ -29,9 +30,11 @@ def generate_greedy(
     prefill_token_budget: int = 4096,
     adapters: list[str | None] | None = None,
     lora: LoraManager | None = None,
+    speculative_length: int = 0,
 ) -> list[list[int]]:
     """The generated token ids of each prompt (EOS included when it ended the sequence);
-    `adapters`: each prompt's LoRA adapter (None: the base model), served by `lora`."""
+    `adapters`: each prompt's LoRA adapter (None: the base model), served by `lora`;
+    `speculative_length` above 0: up to that many n-gram drafts a step (speculation.py)."""
     capacity = min(num_blocks * block_size, max_model_len)
     adapters = adapters or [None] * len(prompts)
     requests = [
@@ -59,12 +62,19 @@ def generate_greedy(
         prefill_token_budget,
         max_model_len,
         None if lora is None else len(lora.slots),
+        NgramDrafter(speculative_length) if speculative_length > 0 else None,
     )
     for request in requests:
         scheduler.add(request)
     while scheduler.has_work():
         out = scheduler.schedule()
-        tokens = torch.argmax(execute(out.chunks), dim=-1).tolist()
-        sampled = {request: Sample(token, 0.0) for request, token in zip(out.sampling, tokens)}
+        chosen = torch.argmax(execute(out.chunks), dim=-1).tolist()
+        plain, plain_rows, drafts, draft_rows = out.logit_rows()
+        sampled: dict = {r: Sample(chosen[row], 0.0) for r, row in zip(plain, plain_rows)}
+        rows = iter(draft_rows)
+        for request, draft in drafts:
+            checked = [chosen[next(rows)] for _ in range(len(draft) + 1)]
+            kept = accepted_prefix(draft, checked)
+            sampled[request] = [Sample(token, 0.0) for token in checked[: kept + 1]]
         scheduler.update(out, sampled, eos_token_ids)
     return [request.output_ids for request in requests]

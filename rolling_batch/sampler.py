@@ -17,6 +17,7 @@ import random
 import torch
 
 from .request import Request
+from .speculation import accepted_prefix
 from .step import Sample
 
 # Top-p looks for the nucleus among the most likely tokens first (torch.topk), and sorts the
@@ -97,6 +98,26 @@ class Sampler:
                 sampled[request] = result
         return sampled, failed
 
+    def verify(
+        self, logits: torch.Tensor, drafts: list[tuple[Request, tuple[int, ...]]]
+    ) -> dict[Request, list[Sample]]:
+        """Greedy choices for speculating requests (speculation.py): `logits` holds, for each
+        (request, draft) in order, len(draft) + 1 rows: after the request's newest token and
+        after each drafted one. Each request gets its agreed draft tokens and the model's
+        choice after them: what greedy decoding would have produced one step at a time."""
+        if not drafts:
+            return {}
+        requests = [request for request, draft in drafts for _ in range(len(draft) + 1)]
+        samples = _greedy(logits, requests)
+        verified: dict[Request, list[Sample]] = {}
+        row = 0
+        for request, draft in drafts:
+            rows = samples[row : row + len(draft) + 1]
+            row += len(rows)
+            kept = accepted_prefix(draft, [sample.token for sample in rows])
+            verified[request] = rows[: kept + 1]
+        return verified
+
     def _state(self, request: Request) -> _RowState:
         state = self._states.get(request.request_id)
         if state is None or state.request is not request:  # an id reused by a new request
@@ -111,13 +132,9 @@ class Sampler:
         greedy = [i for i, r in enumerate(requests) if not r.params.do_sample]
         drawn = [i for i, r in enumerate(requests) if r.params.do_sample]
         if greedy:
-            rows = _select(scores, greedy)
-            chosen = torch.max(rows, dim=-1).indices  # the first of equal maxima, as argmax
-            distribution = torch.log_softmax(rows, dim=-1)
-            log_probs = distribution.gather(1, chosen[:, None])
-            tops = _top_logprobs(distribution, [requests[i] for i in greedy])
-            for i, token, log_prob, top in zip(greedy, chosen.tolist(), log_probs.tolist(), tops):
-                results[i] = Sample(token, log_prob[0], top)
+            samples = _greedy(_select(scores, greedy), [requests[i] for i in greedy])
+            for i, sample in zip(greedy, samples):
+                results[i] = sample
         if drawn:
             params = [requests[i].params for i in drawn]
             _, probs = _filter_rows(
@@ -137,6 +154,16 @@ class Sampler:
 
 
 _NOT_FINITE = "the row's probabilities are not finite (temperature too low for its logits?)"
+
+
+def _greedy(rows: torch.Tensor, requests: list[Request]) -> list[Sample]:
+    """The most likely token of each row (the first of equal maxima, as argmax), its log-prob,
+    and the alternatives its request asks for."""
+    chosen = torch.max(rows, dim=-1).indices
+    distribution = torch.log_softmax(rows, dim=-1)
+    log_probs = distribution.gather(1, chosen[:, None])[:, 0]
+    tops = _top_logprobs(distribution, requests)
+    return [Sample(*sample) for sample in zip(chosen.tolist(), log_probs.tolist(), tops)]
 
 
 def _top_logprobs(rows: torch.Tensor, requests: list[Request], normalize: bool = False) -> list:

@@ -14,12 +14,13 @@ compute them.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .block_manager import BlockManager
 from .protocol import FinishReason
 from .request import FINISHED, RUNNING, WAITING, Request
-from .step import SequenceChunk
+from .speculation import NgramDrafter
+from .step import Sample, SequenceChunk
 
 
 @dataclass
@@ -34,6 +35,21 @@ class SchedulerOutput:
         """The requests whose logits this step produces (their chunk ends at their newest token)."""
         return [r for r, c in zip(self.requests, self.chunks) if c.needs_logits]
 
+    def logit_rows(self):
+        """Whose are the rows of the step's logits: (the requests sampled as usual, their
+        rows, [(speculating request, its draft)], their rows: the draft's length + 1 each)."""
+        plain, plain_rows, drafts, draft_rows = [], [], [], []
+        row = 0
+        for request, chunk in zip(self.requests, self.chunks):
+            if chunk.num_drafts:
+                drafts.append((request, chunk.token_ids[-chunk.num_drafts :]))
+                draft_rows += range(row, row + chunk.num_logits)
+            elif chunk.needs_logits:
+                plain.append(request)
+                plain_rows.append(row)
+            row += chunk.num_logits
+        return plain, plain_rows, drafts, draft_rows
+
 
 class Scheduler:
     def __init__(
@@ -43,8 +59,10 @@ class Scheduler:
         max_prefill_tokens: int,
         max_model_len: int,
         max_loras: int | None = None,
+        drafter: NgramDrafter | None = None,
     ):
         self.blocks = block_manager
+        self.drafter = drafter  # speculative decoding; None: off
         self.max_running = max_running
         self.max_loras = max_loras  # distinct LoRA adapters in the running batch, at most
         self.max_prefill_tokens = max_prefill_tokens
@@ -77,6 +95,8 @@ class Scheduler:
         request.status = FINISHED
         request.finish_reason = reason
         self.blocks.free(request)
+        if self.drafter is not None:
+            self.drafter.forget(request)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_prefill_tokens
@@ -114,9 +134,44 @@ class Scheduler:
             out.num_joined += 1
             self._add_chunk(out, request, num_new)
         self.waiting.extendleft(reversed(passed_over))
+        if self.drafter is not None:
+            self._add_drafts(out, budget)
         if self.max_loras is not None:
             _group_by_adapter(out)
         return out
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Drafted tokens for the step's speculating decodes, from what the prefill budget
+        left (prompts keep their share, as without speculation) and only into KV blocks held
+        or free now (a draft never preempts anyone)."""
+        step_rows = sum(len(chunk.token_ids) for chunk in out.chunks)
+        for index, (request, chunk) in enumerate(zip(out.requests, out.chunks)):
+            if budget <= 0:
+                return
+            if request.is_prefilling or not self.drafter.speculates(request):
+                continue
+            limit = min(
+                budget,
+                request.params.max_new_tokens - len(request.output_ids) - 1,
+                self.max_model_len - request.num_tokens - 1,
+                self._draft_room(request),
+            )
+            draft = self.drafter.propose(request, limit, step_rows)
+            if not draft:
+                continue
+            self.blocks.grow(request, request.num_tokens + len(draft))
+            budget -= len(draft)
+            out.chunks[index] = replace(
+                chunk,
+                token_ids=chunk.token_ids + draft,
+                block_ids=tuple(request.block_ids),
+                num_drafts=len(draft),
+            )
+
+    def _draft_room(self, request: Request) -> int:
+        """Tokens after the newest one that the request's blocks and the free ones hold."""
+        blocks = len(request.block_ids) + self.blocks.num_free
+        return blocks * self.blocks.block_size - request.num_tokens
 
     def _adapter_fits(self, request: Request) -> bool:
         """A request joins if its adapter (if any) is already running or a slot is left for
@@ -176,28 +231,47 @@ class Scheduler:
         )
 
     def update(self, out: SchedulerOutput, sampled: dict, eos_ids: set[int]):
-        """Records this step: computed tokens advance, sampled tokens (`{request: Sample}`) are
-        appended, finished requests leave the batch and free their blocks. Returns (request,
-        Sample) for every sampled token."""
-        for request, chunk in zip(out.requests, out.chunks):
-            request.num_computed_tokens += len(chunk.token_ids)
-            self.blocks.cache_full_blocks(request)
+        """Records this step: sampled tokens (`{request: Sample}`, or a list of Samples for a
+        speculating request: its kept draft and the token after it) are appended up to the
+        request's end, computed tokens advance (a speculating request's by its kept draft),
+        finished requests leave the batch and free their blocks. Returns (request, [Sample])
+        for every request that got tokens, in chunk order."""
         produced = []
-        for request in out.sampling:
-            if request not in sampled:  # failed while sampling: already finished
+        for request, chunk in zip(out.requests, out.chunks):
+            if request.status == FINISHED:  # failed while sampling
                 continue
-            sample = sampled[request]
-            token = sample.token
-            request.output_ids.append(token)
-            request.output_log_probs.append(sample.log_prob)
-            if sample.top_logprobs is not None:
-                request.output_top_logprobs.append(sample.top_logprobs)
-            produced.append((request, sample))
-            reason = self._finish_reason(request, token, eos_ids)
+            samples = sampled.get(request, []) if chunk.needs_logits else []
+            samples = [samples] if isinstance(samples, Sample) else samples
+            agreed = max(len(samples) - 1, 0)  # draft tokens the model agreed with
+            if chunk.num_drafts and samples:
+                self.drafter.record(request, chunk.num_drafts, agreed)
+            elif self.drafter is not None and samples:
+                self.drafter.observe(request, samples[0].token)
+            reason = None
+            for count, sample in enumerate(samples, 1):
+                self._append(request, sample)
+                reason = self._finish_reason(request, sample.token, eos_ids)
+                if reason is not None:
+                    samples = samples[:count]
+                    break
+            # Of a draft, the kept tokens now in the output count as computed; the cache holds
+            # the rejected ones past that, and the next step writes over them.
+            kept_drafts = min(agreed, len(samples))
+            request.num_computed_tokens += len(chunk.token_ids) - chunk.num_drafts + kept_drafts
+            self.blocks.cache_full_blocks(request)
+            if samples:
+                produced.append((request, samples))
             if reason is not None:
                 self.running.remove(request)
                 self.finish(request, reason)
         return produced
+
+    @staticmethod
+    def _append(request: Request, sample: Sample) -> None:
+        request.output_ids.append(sample.token)
+        request.output_log_probs.append(sample.log_prob)
+        if sample.top_logprobs is not None:
+            request.output_top_logprobs.append(sample.top_logprobs)
 
     def _finish_reason(
         self, request: Request, token: int, eos_ids: set[int]

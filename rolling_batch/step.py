@@ -14,7 +14,10 @@ class SequenceChunk:
 
     A prompt whose log-probs were asked for is scored as it is computed: the chunk's rows from
     `score_from` on predict `score_targets` (the prompt's next tokens), and the step returns
-    their log-probs, with the `score_top` most likely alternatives at each when above 0."""
+    their log-probs, with the `score_top` most likely alternatives at each when above 0.
+
+    A speculating decode (speculation.py) ends with `num_drafts` drafted tokens after its
+    newest one; the step returns the logits after each of the last `num_drafts` + 1 tokens."""
 
     token_ids: tuple[int, ...]
     num_computed: int
@@ -24,6 +27,11 @@ class SequenceChunk:
     score_targets: tuple[int, ...] = ()
     score_top: int = 0
     adapter: str | None = None  # the LoRA adapter of the sequence; None: the base model
+    num_drafts: int = 0
+
+    @property
+    def num_logits(self) -> int:
+        return self.num_drafts + 1 if self.needs_logits else 0
 
 
 class Sample(NamedTuple):

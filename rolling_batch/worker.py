@@ -19,6 +19,7 @@ from .mpi_worker import StepBroadcaster, follow, make_group, ranks_on_this_host
 from .runtime import Runtime, write_state
 from .sampler import Sampler
 from .scheduler import Scheduler
+from .speculation import NgramDrafter
 
 
 def main() -> None:
@@ -54,6 +55,7 @@ def main() -> None:
         max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
         max_model_len=max_model_len,
         max_loras=config.max_loras if config.enable_lora else None,
+        drafter=NgramDrafter(config.speculative_length) if config.speculative_draft_model else None,
     )
     # Before the ready state: a tokenizer that fails to load here must fail start-up.
     eos = eos_token_ids(runtime.model_path, trust_remote_code=config.trust_remote_code)
@@ -62,8 +64,8 @@ def main() -> None:
     dtype = str(runner.model.dtype).removeprefix("torch.")
     logging.getLogger("lmserve.engine").info(
         "engine=MPI model %s: %d rank(s), dtype=%s device=%s, max_rolling_batch_size=%d"
-        " max_rolling_batch_prefill_tokens=%d paged_attention=%s prefix_caching=%s, KV cache"
-        " %d blocks x %d tokens",
+        " max_rolling_batch_prefill_tokens=%d paged_attention=%s prefix_caching=%s"
+        " speculative_draft_model=%s, KV cache %d blocks x %d tokens",
         runtime.model_name,
         comm.Get_size(),
         dtype,
@@ -72,6 +74,7 @@ def main() -> None:
         config.max_rolling_batch_prefill_tokens,
         config.paged_attention,
         config.enable_prefix_caching,
+        config.speculative_draft_model,
         runner.num_blocks,
         runner.block_size,
     )

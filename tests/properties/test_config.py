@@ -77,6 +77,8 @@ CONTRACT_DEFAULTS = {
     "enable_prefix_caching": True,
     "enable_chunked_prefill": True,
     "quantize": None,
+    "speculative_draft_model": None,
+    "speculative_length": 5,
     "enable_lora": False,
     "max_loras": 4,
     "max_lora_rank": 16,
@@ -181,6 +183,9 @@ def test_plain_server_keys_from_the_file(tmp_path):
         ("option.quantize=int8", "quantize", "int8"),
         ("option.quantize=AWQ", "quantize", "awq"),
         ("option.quantize=gptq", "quantize", "gptq"),
+        ("option.speculative_draft_model=[ngram]", "speculative_draft_model", "ngram"),
+        ("option.speculative_draft_model=NGRAM", "speculative_draft_model", "ngram"),
+        ("option.speculative_length=3", "speculative_length", 3),
         ("option.enable_lora=true", "enable_lora", True),
         ("option.max_loras=8", "max_loras", 8),
         ("option.max_lora_rank=64", "max_lora_rank", 64),
@@ -760,6 +765,12 @@ def test_equal_min_and_max_workers_are_fine(tmp_path):
         # methods not served are refused, not ignored
         ("option.quantize=fp8", None, ["option.quantize='fp8'", "int4", "awq", "not served"]),
         ("option.quantize=bitsandbytes", None, ["option.quantize='bitsandbytes'", "int4"]),
+        (
+            "option.speculative_draft_model=TinyLlama/TinyLlama-1.1B",
+            None,
+            ["option.speculative_draft_model='TinyLlama/TinyLlama-1.1B'", "[ngram]", "not served"],
+        ),
+        ("option.speculative_length=0", None, ["option.speculative_length='0'", ">= 1"]),
         (
             "engine=Python\noption.rolling_batch=disable\noption.quantize=int4",
             None,

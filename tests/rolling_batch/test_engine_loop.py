@@ -24,6 +24,7 @@ from lmserve.rolling_batch.model_runner import PromptScores, StepLogits
 from lmserve.rolling_batch.protocol import GenerationParams
 from lmserve.rolling_batch.sampler import Sampler
 from lmserve.rolling_batch.scheduler import Scheduler
+from lmserve.rolling_batch.speculation import NgramDrafter
 
 VOCAB = 64
 
@@ -38,7 +39,8 @@ def fake_logits(tokens) -> torch.Tensor:
 
 
 def fake_execute(chunks) -> StepLogits:
-    last_tokens = [chunk.token_ids[-1] for chunk in chunks if chunk.needs_logits]
+    # The rows that need logits: a chunk's last token, and its drafted ones.
+    last_tokens = [t for c in chunks for t in c.token_ids[len(c.token_ids) - c.num_logits :]]
     scores = {}
     for index, chunk in enumerate(chunks):
         if chunk.score_targets:
@@ -68,8 +70,8 @@ def sockets():
         socket.close(linger=0)
 
 
-def make_engine(router) -> RollingEngine:
-    scheduler = Scheduler(BlockManager(64, 16), 8, 256, 512)
+def make_engine(router, drafter=None) -> RollingEngine:
+    scheduler = Scheduler(BlockManager(64, 16), 8, 256, 512, drafter=drafter)
     return RollingEngine(fake_execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100)
 
 
@@ -316,3 +318,34 @@ def test_log_probs_asked_for_come_with_the_tokens_and_the_first_event(sockets):
         assert [top[0][0] for top in tops] == tokens and all(len(top) == 2 for top in tops)
     plain = [e for e in events if e.id == "plain"]
     assert all(e.top_logprobs is None and e.prompt_log_probs is None for e in plain)
+
+
+def test_kept_drafts_reach_the_client_as_several_tokens_a_step(sockets):
+    """The fake model counts up; a prompt that counted up before lets the drafter guess the
+    next tokens: streamed events carry several tokens, the same ones and log-probs as one
+    token a step, the metrics count drafts, and fewer steps are run."""
+    router, connect = sockets
+    engine = make_engine(router, NgramDrafter(max_draft=4))
+    dealer = connect()
+    prompt = [*range(10, 30), 10, 11]
+    submit(dealer, "counting", prompt, 12, top_logprobs=1)
+    submit(dealer, "quiet", prompt, 12, stream=False)
+    submit(dealer, "sampled", prompt, 5, do_sample=True, seed=3)  # drawn: never drafted
+    wait_for_messages(router)
+    run_until_idle(engine)
+    events = receive_all(dealer)
+    counting = [e for e in events if e.id == "counting"]
+    assert [t for e in counting for t in e.token_ids] == list(range(12, 24))
+    assert max(len(e.token_ids) for e in counting) > 1
+    log_probs = [p for e in counting for p in e.log_probs]
+    expected = torch.log_softmax(fake_logits([11]), -1)[0, 12].item()
+    assert log_probs == pytest.approx([expected] * 12, abs=1e-6)
+    assert [top[0][0] for e in counting for top in e.top_logprobs] == list(range(12, 24))
+    (quiet,) = [e for e in events if e.id == "quiet"]
+    assert quiet.token_ids == list(range(12, 24)) and len(quiet.log_probs) == 12
+    assert len([t for e in events if e.id == "sampled" for t in e.token_ids]) == 5
+    stats = engine.snapshot()
+    assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
+    assert stats["tokens_generated"] == 12 + 12 + 5
+    assert stats["num_steps"] < 12
+    engine.scheduler.check_invariants()

@@ -59,6 +59,34 @@ def test_two_mpi_ranks_give_the_same_tokens(tp1_results):
     assert process.poll() is not None, "the MPI ranks outlived close()"
 
 
+def test_speculative_decoding_gives_the_same_tokens_in_fewer_steps(tp1_results):
+    results, _ = tp1_results
+    steps = {}
+    for drafts in (None, "[ngram]"):
+        with LLM(
+            max_model_len=MAX_MODEL_LEN,
+            dtype="fp32",
+            cache_dir=TEST_CACHE_DIR,
+            speculative_draft_model=drafts,
+        ) as llm:
+            runner, calls = llm._engine.runner, []
+            runner.execute = _counting(runner.execute, calls)
+            speculated = llm.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
+            steps[drafts] = len(calls)
+        assert [r.token_ids for r in speculated] == [r.token_ids for r in results]
+    assert steps["[ngram]"] < steps[None]
+
+
+def _counting(execute, calls: list):
+    """`execute`, each call recorded in `calls`."""
+
+    def counted(chunks):
+        calls.append(len(chunks))
+        return execute(chunks)
+
+    return counted
+
+
 def test_token_id_prompts_and_a_cache_smaller_than_the_batch(tp1_results):
     results, prompt_ids = tp1_results
     # 16 blocks of 16 tokens for five sequences that grow to 5-6 blocks each: they run one at

@@ -271,3 +271,26 @@ def test_a_token_beyond_the_vocabulary_fails_its_row_alone():
     fine = request("fine", repetition_penalty=1.2)
     sampled, failed = Sampler(torch.device("cpu")).sample(logits, [odd, fine])
     assert [r for r, _ in failed] == [odd] and list(sampled) == [fine]
+
+
+def test_verify_keeps_the_draft_up_to_the_first_disagreement_and_the_choice_after_it():
+    """Rows of logits after a request's newest token and after each drafted one: the greedy
+    choice at every row, the draft kept while it matches them, then the next choice (with
+    the log-probs and alternatives greedy sampling would give one row at a time)."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 50, generator=generator)
+    chosen = logits.argmax(-1).tolist()
+    mismatch = (chosen[2] + 1) % 50
+    asks = GenerationParams(top_logprobs=3)
+    first = Request("first", [1, 2], asks, 0.0)
+    second = Request("second", [3], GenerationParams(), 0.0)
+    drafts = [(first, (chosen[0], chosen[1], mismatch)), (second, (chosen[4], chosen[5]))]
+    verified = Sampler(torch.device("cpu")).verify(logits, drafts)
+    assert [s.token for s in verified[first]] == chosen[:3]  # two kept, then the choice
+    assert [s.token for s in verified[second]] == chosen[4:7]  # all kept, and one more
+    log_probs = torch.log_softmax(logits, -1)
+    for sample, row in zip(verified[first] + verified[second], [0, 1, 2, 4, 5, 6]):
+        assert sample.log_prob == pytest.approx(log_probs[row, sample.token].item(), abs=1e-6)
+    assert all(len(s.top_logprobs) == 3 for s in verified[first])
+    assert verified[first][2].top_logprobs[0][0] == chosen[2]
+    assert all(s.top_logprobs is None for s in verified[second])
