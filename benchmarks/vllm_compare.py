@@ -139,6 +139,11 @@ def running_vllm(
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     }
+    # vLLM's CPU guide preloads Intel's OpenMP (its wheel brings it along), and warns that
+    # speculative decoding without it loses much of its speed.
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
     command = [
         python,
         "-m",
