@@ -50,8 +50,12 @@ class PromptBuilder:
         self.tokenizer = Tokenizer.from_file(tokenizer_json)
         self.rng = random.Random(seed)
         vocab = self.tokenizer.get_vocab()
+        # ASCII only: the vocabulary spells other characters in byte-level stand-ins (some of
+        # them letters to isalpha) that are other tokens once written out as text.
         self.words = sorted(
-            token[1:] for token in vocab if token.startswith("\u0120") and token[1:].isalpha()
+            word
+            for word in (token[1:] for token in vocab if token.startswith("\u0120"))
+            if word.isascii() and word.isalpha()
         )
 
     def build(self, num_tokens: int, prefix: str = "") -> str:

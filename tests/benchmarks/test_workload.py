@@ -40,3 +40,12 @@ def test_conversation_turns_resend_their_history(smollm2_dir):
         assert turn.prompt.startswith(previous.prompt)
         assert turn.input_tokens == previous.input_tokens + 5 + 10 == made.count(turn.prompt)
     assert not planned[1].prompt.startswith(planned[0].prompt)
+
+
+def test_long_prompts_come_out_exact_at_the_first_try(smollm2_dir):
+    """Every word the builder picks is one token in text: 1,024-token system prompts (the
+    shared-prefix workload's) never need a retry."""
+    made = builder(smollm2_dir)
+    words = made.rng.sample(made.words, 2000)
+    special = made.count("")  # what the tokenizer adds to any text
+    assert made.count(" " + " ".join(words)) == 2000 + special
