@@ -15,9 +15,10 @@ benchmarks/results/vllm/<workload>-<dtype>/. `--workloads NAME ...` runs some of
     .venv/bin/python -m lmserve.benchmarks.vllm_compare --vllm-python VENV/bin/python \
         --workloads single-in32-out256 --rounds 1
 
-`--speculate` runs both servers with n-gram speculative decoding (prompt lookup, up to
-`SPECULATIVE_LENGTH` drafted tokens a step, n-grams of 1-4 tokens: vLLM's `ngram` method and
-lmserve's `option.speculative_draft_model=[ngram]`); results go to <workload>-<dtype>-ngram/.
+`--speculate lmserve` runs lmserve with n-gram speculative decoding (prompt lookup, up to
+`SPECULATIVE_LENGTH` drafted tokens a step, n-grams of 1-4 tokens:
+`option.speculative_draft_model=[ngram]`), `--speculate both` vLLM too (its `ngram` method);
+results go to <workload>-<dtype>-ngram-<which>/.
 """
 
 from __future__ import annotations
@@ -233,7 +234,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8099, help="lmserve's; vLLM's is the next")
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs per server")
     parser.add_argument(
-        "--speculate", action="store_true", help="both servers with n-gram speculative decoding"
+        "--speculate",
+        choices=["lmserve", "both"],
+        help="n-gram speculative decoding in lmserve, or in both servers",
     )
     parser.add_argument(
         "--workloads",
@@ -268,11 +271,12 @@ def main() -> None:
         # Where a workload shares prefixes, lmserve with its prefix cache off runs too: what
         # the cache itself is worth.
         uncached = any(w.shares_prefixes for w in workloads)
-        speculate = options.speculate
+        speculate = options.speculate is not None
+        vllm_speculates = options.speculate == "both"
         with (
             running_server(lmserve_properties(dtype, True, speculate), options.port) as (ours, _),
             running_vllm(
-                options.vllm_python, model_dir, dtype, options.port + 1, log_path, speculate
+                options.vllm_python, model_dir, dtype, options.port + 1, log_path, vllm_speculates
             ) as peer,
             _maybe_server(
                 uncached, lmserve_properties(dtype, False, speculate), options.port + 2
@@ -287,10 +291,14 @@ def main() -> None:
                 if w.shares_prefixes:
                     off_run = measure(off, "lmserve", requests, None, w.concurrency)
                     runs[w.name][f"lmserve, prefix cache off{label}"] = off_run
-        drafts = ", n-gram speculative decoding" if speculate else ""
+        drafts = {
+            None: "",
+            "lmserve": ", lmserve with n-gram speculative decoding",
+            "both": ", both with n-gram speculative decoding",
+        }[options.speculate]
         for w in workloads:
             title = f"lmserve vs vLLM, {dtype}{drafts}: {w.describe()}, SmolLM2-135M, 2-core CPU"
-            folder = f"{w.name}-{dtype}" + ("-ngram" if speculate else "")
+            folder = f"{w.name}-{dtype}" + (f"-ngram-{options.speculate}" if speculate else "")
             report.write(runs[w.name], options.out / folder, title)
             print(f"\n{title}\n{report.markdown(runs[w.name])}")
 
