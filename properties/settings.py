@@ -295,11 +295,11 @@ SETTINGS: tuple[Setting, ...] = (
     # Weight-only int4/int8 on the rolling batch (CPU or GPU); the methods not served are
     # refused by name rather than silently served unquantized.
     Setting("option.quantize", "quantize", quantization, None, ("HF_MODEL_QUANTIZE",)),
-    # LoRA adapters in <model dir>/adapters/<name>/ (PEFT folders), chosen per request.
     # Speculative decoding, LMI's names: the draft model (only "[ngram]", prompt lookup, is
     # served) and the most tokens drafted a step.
     Setting("option.speculative_draft_model", "speculative_draft_model", speculative_drafts, None),
     Setting("option.speculative_length", "speculative_length", integer(1), 5),
+    # LoRA adapters in <model dir>/adapters/<name>/ (PEFT folders), chosen per request.
     Setting("option.enable_lora", "enable_lora", boolean, False),
     Setting("option.max_loras", "max_loras", integer(1), 4),  # adapters in one step
     Setting("option.max_lora_rank", "max_lora_rank", integer(1), 16),
