@@ -12,8 +12,9 @@ from .block_manager import BlockManager
 from .lora_manager import LoraManager
 from .protocol import GenerationParams, adapter_refusal
 from .request import Request
+from .sampler import Sampler
 from .scheduler import Scheduler
-from .speculation import NgramDrafter, accepted_prefix
+from .speculation import NgramDrafter
 from .step import Sample, SequenceChunk
 
 
@@ -68,13 +69,11 @@ def generate_greedy(
         scheduler.add(request)
     while scheduler.has_work():
         out = scheduler.schedule()
-        chosen = torch.argmax(execute(out.chunks), dim=-1).tolist()
+        logits = execute(out.chunks)
         plain, plain_rows, drafts, draft_rows = out.logit_rows()
-        sampled: dict = {r: Sample(chosen[row], 0.0) for r, row in zip(plain, plain_rows)}
-        rows = iter(draft_rows)
-        for request, draft in drafts:
-            checked = [chosen[next(rows)] for _ in range(len(draft) + 1)]
-            kept = accepted_prefix(draft, checked)
-            sampled[request] = [Sample(token, 0.0) for token in checked[: kept + 1]]
+        chosen = torch.argmax(logits[plain_rows] if drafts else logits, dim=-1).tolist()
+        sampled: dict = {r: Sample(token, 0.0) for r, token in zip(plain, chosen)}
+        if drafts:
+            sampled.update(Sampler(logits.device).verify(logits[draft_rows], drafts))
         scheduler.update(out, sampled, eos_token_ids)
     return [request.output_ids for request in requests]
