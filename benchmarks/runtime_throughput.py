@@ -31,13 +31,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def matmul_rates(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> dict[str, float]:
-    """GFLOP/s of a size^3 matmul through torch's default path and through a oneDNN-packed
-    weight (what the runtime's CPU linears use); the faster one is the roofline."""
+    """GFLOP/s of a size^3 matmul through torch's default path and through a packed weight
+    (what the runtime's CPU linears use: the C++ panels in fp32, oneDNN's layout otherwise);
+    the faster one is the roofline."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     rates = {"torch matmul": _gflops(lambda: a @ b, size, repeats)}
     packed = try_pack(b.t().contiguous())  # a linear computes x @ weight^T
     if packed is not None:
-        rates["oneDNN packed"] = _gflops(lambda: packed(a), size, repeats)
+        rates["packed linear"] = _gflops(lambda: packed(a), size, repeats)
     return rates
 
 

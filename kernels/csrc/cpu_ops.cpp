@@ -18,6 +18,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -868,6 +869,119 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// fp32 linear on a weight packed once into panels of kPanel outputs, each panel [in][kPanel]
+// contiguous (the last one zero-padded). A tile of up to kLinearRows rows of x by one panel
+// keeps its sums in registers, so every weight vector loaded serves all the tile's rows. Few
+// rows (decode) are bound by reading the weight: each tile also prefetches a share of the
+// thread's next panel into L2, so the stream never waits on memory. oneDNN's packed fp32
+// matmul, which leaves the stream to the hardware prefetcher, took 1.3-1.7x as long at 1-64
+// rows (benchmarks/README.md). Each output is one chain of fused multiply-adds over the
+// inputs in order, however many rows there are: a row's result does not depend on its batch.
+
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kPanelVecs = 3, kLinearRows = 8;  // 24 sums of 32 registers
+#else
+constexpr int kPanelVecs = 2, kLinearRows = 6;  // 12 sums of 16 registers
+#endif
+constexpr int64_t kPanel = kPanelVecs * Vec::size();
+constexpr int64_t kLineFloats = 64 / sizeof(float);
+// The rows of x one pass over the weight serves: their activations stay in L2 meanwhile.
+constexpr int64_t kLinearBlockBytes = 512 * 1024;
+
+// out[r][0..cols) = sum over i of x[r][i] * panel[i][..] (+ bias), for R rows of x.
+template <int R>
+inline void linear_tile(const float* x, int64_t in, const float* panel, const float* bias,
+                        float* out, int64_t out_stride, int64_t cols, const float*& prefetch,
+                        int64_t prefetch_lines, const float* prefetch_end) {
+  Vec acc[R][kPanelVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = Vec(0.f);
+  }
+  for (int64_t i = 0; i < in; ++i) {
+    Vec w[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) w[v] = Vec::loadu(panel + i * kPanel + v * Vec::size());
+    for (int64_t line = 0; line < prefetch_lines && prefetch < prefetch_end; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch), _MM_HINT_T1);
+      prefetch += kLineFloats;
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec xi(x[r * in + i]);
+      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = at::vec::fmadd(xi, w[v], acc[r][v]);
+    }
+  }
+  for (int v = 0; v < kPanelVecs; ++v) {
+    const int64_t left = std::min<int64_t>(cols - v * Vec::size(), Vec::size());
+    if (left <= 0) break;
+    const Vec b = bias == nullptr ? Vec(0.f) : Vec::loadu(bias + v * Vec::size(), left);
+    for (int r = 0; r < R; ++r) {
+      float* o = out + r * out_stride + v * Vec::size();
+      if (left == Vec::size()) {
+        (acc[r][v] + b).store(o);
+      } else {
+        (acc[r][v] + b).store(o, left);
+      }
+    }
+  }
+}
+
+// [out, in] fp32 -> [panels, in, kPanel]: what packed_linear reads.
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
+              "weight must be fp32 [out, in]");
+  const int64_t out_features = weight.size(0), in = weight.size(1);
+  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  auto padded = at::zeros({panels * kPanel, in}, weight.options());
+  padded.narrow(0, 0, out_features).copy_(weight);
+  return padded.view({panels, kPanel, in}).transpose(1, 2).contiguous();
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be fp32 [rows, in]");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.size(2) == kPanel && packed.size(1) == x.size(1),
+              "packed must come from pack_linear_weight of an [out, in] weight");
+  const int64_t panels = packed.size(0), in = packed.size(1), rows = x.size(0);
+  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
+              "out_features does not match the packed weight");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                    bias->dim() == 1 && bias->size(0) == out_features),
+              "bias must be contiguous fp32 [out]");
+  const at::Tensor xc = x.contiguous();
+  auto out = at::empty({rows, out_features}, xc.options());
+  if (rows == 0) return out;
+  const float* xs = xc.data_ptr<float>();
+  const float* weights = packed.data_ptr<float>();
+  const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  const int64_t block_rows =
+      std::max<int64_t>(kLinearRows, kLinearBlockBytes / (in * 4) / kLinearRows * kLinearRows);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
+      const int64_t r1 = std::min(rows, r0 + block_rows);
+      const int64_t tiles = (r1 - r0 + kLinearRows - 1) / kLinearRows;
+      // One panel is in * kPanel floats: its lines spread over this panel's row tiles.
+      const int64_t prefetch_lines = (kPanel / kLineFloats + tiles - 1) / tiles;
+      for (int64_t p = begin; p < end; ++p) {
+        const float* panel = weights + p * in * kPanel;
+        const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
+        const float* prefetch = panel + in * kPanel;
+        const float* prefetch_end = p + 1 < end ? prefetch + in * kPanel : prefetch;
+        for (int64_t r = r0; r < r1; r += kLinearRows) {
+          with_count<kLinearRows>(std::min<int64_t>(kLinearRows, r1 - r), [&](auto count) {
+            linear_tile<decltype(count)::value>(
+                xs + r * in, in, panel, bias_data == nullptr ? nullptr : bias_data + col0,
+                o + r * out_features + col0, out_features, cols, prefetch, prefetch_lines,
+                prefetch_end);
+          });
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Weight-only int8 linear, GGUF's Q8_0 layout: codes [out, in] int8 and one fp32 scale for each
 // group of 32 inputs (w = code * scale). Few rows read the weight once, which is what makes it
 // pay: the codes are a quarter of fp32's bytes. Each group's codes are widened in registers
@@ -1076,6 +1190,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("silu_and_mul", &silu_and_mul);
+  m.def("pack_linear_weight", &pack_linear_weight);
+  m.def("packed_linear", &packed_linear);
   m.def("int8_linear", &int8_linear);
   m.def("int4_dequantize", &int4_dequantize);
   m.def("int8_dequantize", &int8_dequantize);

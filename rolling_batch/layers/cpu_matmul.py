@@ -1,8 +1,12 @@
-"""Linear-layer weights in oneDNN's blocked layout for CPU inference.
+"""Linear-layer weights laid out once for CPU inference.
 
-`nn.functional.linear` re-lays out (bf16) or takes MKL's generic path (fp32, slow on AMD) on
-every call; a weight reordered once is 1.5-3x faster for the small row counts of a decode
-step here (benchmarks/README.md, performance log). The packed copy replaces the weight.
+fp32 weights go to the C++ kernels' panel layout (`kernels/csrc/cpu_ops.cpp`,
+`packed_linear`), which prefetches the weight stream: 1.3-1.7x oneDNN's packed matmul at the
+1-64 rows of a decode step, level with it at prefill sizes. Other dtypes (bf16, fp16), and
+fp32 where the kernels are not built, take oneDNN's blocked layout: `nn.functional.linear`
+re-lays out (bf16) or takes MKL's generic path (fp32, slow on AMD) on every call, and a weight
+reordered once is 1.5-3x faster for a decode step's rows. Either packed copy replaces the
+weight (benchmarks/README.md, performance log).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import logging
 
 import torch
 from torch import nn
+
+from lmserve.kernels import cpu_native
 
 from .lora import LoraSlots
 from .quantized import (
@@ -39,10 +45,36 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 
 
-def try_pack(weight: torch.Tensor) -> PackedWeight | None:
-    """None where oneDNN cannot take this weight (not on CPU, or fp16 on a CPU without
-    AVX512-FP16): the caller keeps the plain matmul."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+class NativeLinearWeight:
+    """An fp32 `weight` [out, in] in the C++ kernels' panels; called like
+    `linear(x, weight, bias)`."""
+
+    def __init__(self, weight: torch.Tensor, native):
+        self.dtype = weight.dtype
+        self.out_features = weight.shape[0]
+        self.native = native
+        self.packed = native.pack_linear_weight(weight)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = self.native.packed_linear(rows, self.packed, self.out_features, bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+DenseWeight = PackedWeight | NativeLinearWeight
+
+
+def try_pack(weight: torch.Tensor) -> DenseWeight | None:
+    """The fastest packed form for `weight`, or None where neither the C++ kernels (fp32) nor
+    oneDNN can take it (not on CPU, or fp16 on a CPU without AVX512-FP16): the caller keeps the
+    plain matmul."""
+    if weight.device.type != "cpu":
+        return None
+    if weight.dtype == torch.float32:
+        native = cpu_native.native_ops()
+        if native is not None:
+            return NativeLinearWeight(weight, native)
+    if not torch.backends.mkldnn.is_available():
         return None
     try:
         return PackedWeight(weight)
@@ -59,7 +91,7 @@ class PackableLinear(nn.Module):
     in_features: int  # of this rank's shard
     out_features: int
     shards_input = False  # row-parallel: the input features are split across the ranks
-    packed: PackedWeight | QuantizedWeight | None = None
+    packed: DenseWeight | QuantizedWeight | None = None
     in_start = 0  # of this rank's shard among the layer's inputs (row-parallel: see RowLinear)
     int4_group_size: int | None = None  # set when the checkpoint brings int4 codes
     int8_from_checkpoint = False  # ... or int8 codes
@@ -110,7 +142,7 @@ class PackableLinear(nn.Module):
         return out_features, in_features
 
     def pack(self, quantize: str | None = None) -> None:
-        """`quantize`: None (oneDNN-packed, same dtype, on CPU; a GPU keeps the weight), "int4"
+        """`quantize`: None (packed, same dtype, on CPU; a GPU keeps the weight), "int4"
         or "int8" (layers/quantized.py, CPU or GPU). Int4 codes from the checkpoint are packed
         as they are, int8 codes too."""
         if self.int4_group_size is not None:

@@ -13,7 +13,7 @@ from torch import nn
 from lmserve.kernels import cpu_native
 
 from ..layers.attention import Attention, AttentionMetadata
-from ..layers.cpu_matmul import PackableLinear, PackedWeight, try_pack
+from ..layers.cpu_matmul import DenseWeight, PackableLinear, try_pack
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding, take_int8
 from ..layers.linear import MergedColumnLinear, RowLinear
 from ..layers.lora import LoraSlots, LoraStep
@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, group, max_positions)
         self.tied = getattr(config, "tie_word_embeddings", False)
-        self.lm_head_packed: PackedWeight | QuantizedWeight | None = None
+        self.lm_head_packed: DenseWeight | QuantizedWeight | None = None
         if not self.tied:
             self.lm_head = ParallelLMHead(self.model.embed_tokens, config.hidden_size)
 
@@ -139,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
 
     def pack_weights(self, quantize: str | None = None) -> None:
-        """On CPU oneDNN-packed weights for every linear and the LM head (layers/cpu_matmul.py;
+        """On CPU packed weights for every linear and the LM head (layers/cpu_matmul.py;
         a GPU keeps them as they are). A tied LM head is packed as a copy: the embedding lookup
         still reads its rows.
         `quantize="int4"` or `"int8"` quantizes the decoder's linears so, and the embedding

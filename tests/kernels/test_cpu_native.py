@@ -181,6 +181,55 @@ def test_silu_and_mul_equals_reference(native, dtype, intermediate):
     close(native.silu_and_mul(gate_up), F.silu(gate) * up, dtype)
 
 
+def linear_error_bound(x, weight, bias):
+    """What any order of fp32 sums may be off by: in x eps x the sum of |terms| per output."""
+    terms = x.abs().double() @ weight.abs().double().T
+    if bias is not None:
+        terms += bias.abs().double()
+    return x.shape[1] * torch.finfo(torch.float32).eps * terms
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    # one output; panels with a remainder; a tile row remainder; SmolLM2's q/k/v; more rows
+    # than one pass over the weight serves (several row blocks of 1536 inputs)
+    [(1, 1, 1), (5, 49, 7), (9, 100, 33), (33, 960, 576), (200, 130, 1536)],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_equals_the_matmul(native, rows, out_features, in_features, with_bias):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator)
+    got = native.packed_linear(x, native.pack_linear_weight(weight), out_features, bias)
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.shape == (rows, out_features)
+    assert ((got.double() - expected).abs() <= linear_error_bound(x, weight, bias)).all()
+
+
+def test_packed_linear_gives_a_row_the_same_bits_in_any_batch(native):
+    """Greedy text must not depend on which requests share a step."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(200, 576, generator=generator)
+    packed = native.pack_linear_weight(weight)
+    x = torch.randn(300, 576, generator=generator)
+    whole = native.packed_linear(x, packed, 200, None)
+    for row in (0, 7, 8, 299):
+        alone = native.packed_linear(x[row : row + 1], packed, 200, None)
+        assert torch.equal(alone[0], whole[row])
+    strided = native.packed_linear(x[::3], packed, 200, None)  # rows of a wider tensor
+    assert torch.equal(strided, whole[::3])
+    assert native.packed_linear(x[:0], packed, 200, None).shape == (0, 200)
+
+
+def test_packed_linear_refuses_a_mismatched_weight(native):
+    packed = native.pack_linear_weight(torch.randn(10, 8))
+    with pytest.raises(RuntimeError, match="out_features"):
+        native.packed_linear(torch.randn(2, 8), packed, 1000, None)
+    with pytest.raises(RuntimeError, match="pack_linear_weight"):
+        native.packed_linear(torch.randn(2, 9), packed, 10, None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 def test_int8_linear_equals_the_dequantized_matmul(native, dtype, rows):

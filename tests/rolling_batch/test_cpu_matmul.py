@@ -1,33 +1,31 @@
-"""oneDNN-packed CPU linears give the plain matmul's answer, for every dtype the CPU takes
-(and fall back to the plain matmul for one it does not), and free the unpacked weight."""
+"""Which packed form a CPU linear takes, and that it computes the linear it replaced."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from lmserve.rolling_batch.layers.linear import RowLinear
-from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
+from lmserve.kernels import cpu_native
+from lmserve.rolling_batch.layers.cpu_matmul import NativeLinearWeight, PackedWeight, try_pack
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [0, 1, 7, 64])
-def test_packed_linear_equals_plain_linear(dtype, rows):
-    generator = torch.Generator().manual_seed(rows)
-    layer = RowLinear(0, 48, 40, TensorParallelGroup(), bias=True)
-    layer.weight.data = torch.randn(40, 48, generator=generator).to(dtype)
-    layer.bias.data = torch.randn(40, generator=generator).to(dtype)
-    weight = layer.weight.data.clone()
-    x = torch.randn(rows, 48, generator=generator).to(dtype)
-    expected = torch.nn.functional.linear(x.float(), weight.float()) + layer.bias.float()
+@pytest.mark.skipif(cpu_native.native_ops() is None, reason="the C++ kernels are not built here")
+def test_fp32_weights_take_the_native_panels_and_compute_the_same_linear():
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(100, 64, generator=generator)
+    bias = torch.randn(100, generator=generator)
+    packed = try_pack(weight)
+    assert isinstance(packed, NativeLinearWeight)
+    x = torch.randn(2, 3, 64, generator=generator)  # leading dims kept, as F.linear keeps them
+    torch.testing.assert_close(packed(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
-    layer.pack()
-    got = layer(x)
 
-    assert got.dtype == dtype and got.shape == (rows, 40)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance * 10)
-    if layer.packed is not None:
-        assert layer.weight.numel() == 0  # no second copy of the weights
-    else:
-        assert torch.equal(layer.weight.data, weight)
+def test_bf16_weights_take_onednns_layout():
+    weight = torch.randn(100, 64).to(torch.bfloat16)
+    packed = try_pack(weight)
+    if packed is None:
+        pytest.skip("oneDNN takes no bf16 weight on this CPU")
+    assert isinstance(packed, PackedWeight)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    torch.testing.assert_close(packed(x).float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-2)
