@@ -873,7 +873,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // contiguous (the last one zero-padded). A tile of up to kLinearRows rows of x by one panel
 // keeps its sums in registers, so every weight vector loaded serves all the tile's rows. Few
 // rows (decode) are bound by reading the weight: each tile also prefetches a share of the
-// thread's next panel into L2, so the stream never waits on memory. oneDNN's packed fp32
+// next panel of its run into L2, so the stream never waits on memory. oneDNN's packed fp32
 // matmul, which leaves the stream to the hardware prefetcher, took 1.3-1.7x as long at 1-64
 // rows (benchmarks/README.md). Each output is one chain of fused multiply-adds over the
 // inputs in order, however many rows there are: a row's result does not depend on its batch.
@@ -956,9 +956,19 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   float* o = out.data_ptr<float>();
   const int64_t block_rows =
       std::max<int64_t>(kLinearRows, kLinearBlockBytes / (in * 4) / kLinearRows * kLinearRows);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
-      const int64_t r1 = std::min(rows, r0 + block_rows);
+  const int64_t row_blocks = (rows + block_rows - 1) / block_rows;
+  // Work units of a row block by a run of panels, taken from a shared counter: a thread that
+  // wakes late or streams slower takes fewer, so neither waits long for the other at the end.
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
+  const int64_t unit_panels = std::clamp<int64_t>(panels / (workers * 4), 2, 16);
+  const int64_t units_per_block = (panels + unit_panels - 1) / unit_panels;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t unit = next.fetch_add(1); unit < row_blocks * units_per_block;
+         unit = next.fetch_add(1)) {
+      const int64_t r0 = unit / units_per_block * block_rows, r1 = std::min(rows, r0 + block_rows);
+      const int64_t begin = unit % units_per_block * unit_panels;
+      const int64_t end = std::min(panels, begin + unit_panels);
       const int64_t tiles = (r1 - r0 + kLinearRows - 1) / kLinearRows;
       // One panel is in * kPanel floats: its lines spread over this panel's row tiles.
       const int64_t prefetch_lines = (kPanel / kLineFloats + tiles - 1) / tiles;
