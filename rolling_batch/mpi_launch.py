@@ -14,16 +14,21 @@ from pathlib import Path
 # equally large buffers (gathered K/V, activations) page-fault in again, every layer of every
 # step: decode attention over 64 x 512 tokens measured 5-10x slower for it here. Keep freed
 # memory in the process instead (32 MiB is the largest threshold glibc accepts).
+# torch's CPU allocator asks for transparent huge pages for its buffers of 2 MiB and more
+# (the packed weights, the KV cache) where the kernel leaves them to madvise, as it does by
+# default: fewer TLB misses while a decode step streams the weights (1.06x a step at batch 1,
+# benchmarks/README.md).
 _ALLOCATOR_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 36),
     "MALLOC_TOP_PAD_": str(512 << 20),
+    "THP_MEM_ALLOC_ENABLE": "1",
 }
 
 
 def engine_environment() -> dict[str, str]:
     """The environment for engine processes: ours, with the allocator kept from returning
-    memory to the OS (a user's own MALLOC_* settings win)."""
+    memory to the OS and asking for huge pages (a user's own settings of these win)."""
     return {**_ALLOCATOR_ENV, **os.environ}
 
 
