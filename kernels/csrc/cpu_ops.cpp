@@ -944,6 +944,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const int64_t panels = packed.size(0), in = packed.size(1), rows = x.size(0);
   TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
               "out_features does not match the packed weight");
+  TORCH_CHECK(in > 0, "a linear needs at least one input feature");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                                     bias->dim() == 1 && bias->size(0) == out_features),
               "bias must be contiguous fp32 [out]");

@@ -228,6 +228,10 @@ def test_packed_linear_refuses_a_mismatched_weight(native):
         native.packed_linear(torch.randn(2, 8), packed, 1000, None)
     with pytest.raises(RuntimeError, match="pack_linear_weight"):
         native.packed_linear(torch.randn(2, 9), packed, 10, None)
+    with pytest.raises(RuntimeError, match="input feature"):
+        native.packed_linear(
+            torch.randn(2, 0), native.pack_linear_weight(torch.randn(3, 0)), 3, None
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
