@@ -50,7 +50,6 @@ class NativeLinearWeight:
     `linear(x, weight, bias)`."""
 
     def __init__(self, weight: torch.Tensor, native):
-        self.dtype = weight.dtype
         self.out_features = weight.shape[0]
         self.native = native
         self.packed = native.pack_linear_weight(weight)
