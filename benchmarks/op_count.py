@@ -41,7 +41,7 @@ INPUTS, BEFORE, AFTER = "step inputs", "before layers", "after layers"
 
 class OpCounter(TorchDispatchMode):
     """Counts every op by name (`aten::mm`, `mkldnn::_linear_pointwise`, a C++ extension's
-    `lmserve_cpu_ops.rms_norm`, ...) into the section the step is in: the runner's input
+    `lmserve_cpu_ops_avx512.rms_norm`, ...) into the section the step is in: the runner's input
     tensors, the model before its layers (embedding, rotary tables), each decoder layer, after
     them (final norm, LM head). Single-threaded callers only (the profile hook is per thread)."""
 

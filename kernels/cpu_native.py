@@ -33,8 +33,14 @@ from lmserve.properties.config import default_cache_dir
 log = logging.getLogger("lmserve.kernels")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
-_MODULE = "lmserve_cpu_ops"
 _COMPILER = "g++"
+
+
+def _module_name(isa: str) -> str:
+    # One name per ISA: Python keeps an extension module by its name, so a process that loaded
+    # one build would be handed that same module again for another ISA's library.
+    return f"lmserve_cpu_ops_{isa}"
+
 
 # at::vec's AVX-512 path needs F, BW, VL and DQ (what ATen's own AVX512 build targets).
 _ISA_FLAGS = {
@@ -90,7 +96,7 @@ def compile_command(isa: str, output: Path) -> list[str]:
         # ATen's parallel_for is inline OpenMP; libgomp resolves to the copy torch loaded.
         "-fopenmp",
         "-DTORCH_API_INCLUDE_EXTENSION_H",
-        f"-DTORCH_EXTENSION_NAME={_MODULE}",
+        f"-DTORCH_EXTENSION_NAME={_module_name(isa)}",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         *_ISA_FLAGS[isa][1],
         *includes,
@@ -112,13 +118,13 @@ def build_dir(isa: str, cache_dir: Path | None = None) -> Path:
 
 def build(isa: str, folder: Path) -> Path:
     """The compiled library in `folder`, compiling it unless a finished one is there."""
-    library = folder / f"{_MODULE}.so"
+    library = folder / f"{_module_name(isa)}.so"
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then load its result
         if library.exists():
             return library
-        partial = folder / f"{_MODULE}.{os.getpid()}.tmp.so"
+        partial = folder / f"{_module_name(isa)}.{os.getpid()}.tmp.so"
         log.info("building the CPU kernels for %s into %s (once per machine)", isa, folder)
         started = time.monotonic()
         result = subprocess.run(
@@ -133,8 +139,9 @@ def build(isa: str, folder: Path) -> Path:
 
 
 def load(library: Path) -> ModuleType:
-    loader = importlib.machinery.ExtensionFileLoader(_MODULE, str(library))
-    spec = importlib.util.spec_from_file_location(_MODULE, library, loader=loader)
+    name = library.name.split(".")[0]  # the module name the library was built with
+    loader = importlib.machinery.ExtensionFileLoader(name, str(library))
+    spec = importlib.util.spec_from_file_location(name, library, loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module

@@ -299,6 +299,19 @@ def test_isa_is_read_from_cpu_flags():
     assert cpu_native.cpu_isa("flags\t: fpu sse2 sse4_2\n") is None
 
 
+@pytest.mark.skipif(len(ISAS) < 2, reason="this CPU runs one ISA's build only")
+def test_each_isa_build_loads_as_its_own_module():
+    """An AVX-512 machine tests the AVX2 build in the same process: loading it must not hand
+    back the AVX-512 module loaded before it."""
+    modules = [
+        cpu_native.load(cpu_native.build(isa, cpu_native.build_dir(isa, TEST_CACHE_DIR)))
+        for isa in ISAS
+    ]
+    assert [module.__file__ for module in modules] == [
+        str(cpu_native.build(isa, cpu_native.build_dir(isa, TEST_CACHE_DIR))) for isa in ISAS
+    ]
+
+
 def lora_case(dtype, outputs=(48, 16, 16), num_slots=4, rank=8, seed=0):
     """A fused linear's output, input and stacked adapters, with segments of uneven lengths:
     several slots, one token alone, a slot in two segments, base-model tokens between them."""
