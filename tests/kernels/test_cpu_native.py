@@ -303,13 +303,9 @@ def test_isa_is_read_from_cpu_flags():
 def test_each_isa_build_loads_as_its_own_module():
     """An AVX-512 machine tests the AVX2 build in the same process: loading it must not hand
     back the AVX-512 module loaded before it."""
-    modules = [
-        cpu_native.load(cpu_native.build(isa, cpu_native.build_dir(isa, TEST_CACHE_DIR)))
-        for isa in ISAS
-    ]
-    assert [module.__file__ for module in modules] == [
-        str(cpu_native.build(isa, cpu_native.build_dir(isa, TEST_CACHE_DIR))) for isa in ISAS
-    ]
+    libraries = [cpu_native.build(isa, cpu_native.build_dir(isa, TEST_CACHE_DIR)) for isa in ISAS]
+    modules = [cpu_native.load(library) for library in libraries]
+    assert [module.__file__ for module in modules] == [str(library) for library in libraries]
 
 
 def lora_case(dtype, outputs=(48, 16, 16), num_slots=4, rank=8, seed=0):
