@@ -505,17 +505,17 @@ void attend_keys(const AttentionCall<T>& call, const int32_t* table, int64_t kv_
   // Rows see keys up to the smallest last key: chunks before it need no mask.
   const float first_hidden =
       *std::min_element(state.last_key, state.last_key + state.rows) + 1.f;
-  const T *keys[2][kKeyChunk], *values[2][kKeyChunk];
-  locate_keys(call, table, kv_head, key_begin, std::min(kKeyChunk, key_end - key_begin),
-              keys[0], values[0]);
-  prefetch_rows(keys[0], values[0], std::min(kKeyChunk, key_end - key_begin), d);
+  const T *keys[2][kKeyChunk], *values[2][kKeyChunk];  // this chunk's rows and the next's
+  // Locates the rows of the chunk from `key0` into buffer `b` and asks for their lines.
+  const auto fetch = [&](int64_t key0, int b) {
+    const int64_t count = std::min(kKeyChunk, key_end - key0);
+    locate_keys(call, table, kv_head, key0, count, keys[b], values[b]);
+    prefetch_rows(keys[b], values[b], count, d);
+  };
+  fetch(key_begin, 0);
   for (int64_t key0 = key_begin, c = 0; key0 < key_end; key0 += kKeyChunk, c ^= 1) {
     const int64_t in_chunk = std::min(kKeyChunk, key_end - key0);
-    const int64_t next = std::clamp<int64_t>(key_end - key0 - kKeyChunk, 0, kKeyChunk);
-    if (next > 0) {
-      locate_keys(call, table, kv_head, key0 + kKeyChunk, next, keys[c ^ 1], values[c ^ 1]);
-      prefetch_rows(keys[c ^ 1], values[c ^ 1], next, d);
-    }
+    if (key0 + kKeyChunk < key_end) fetch(key0 + kKeyChunk, c ^ 1);
     for (int64_t t = 0; t < kKeyChunk; ++t) {
       if (t >= in_chunk) {
         state.keys[t] = state.values[t] = state.zeros;
