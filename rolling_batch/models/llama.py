@@ -21,6 +21,7 @@ from ..layers.norm_and_rotary import RMSNorm, RotaryEmbedding
 from ..layers.parallel import TensorParallelGroup, balanced_split, shard_heads
 from ..layers.quantized import QuantizedWeight
 from ..lora_adapters import linear_shapes
+from .native_stack import native_stack
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,24 @@ class LlamaModel(nn.Module):
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.native_stack = None  # set by LlamaForCausalLM.pack_weights where it applies
+        self.lora_step: LoraStep | None = None  # LoRA: the stack serves steps without adapters
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.native_stack is not None and not (self.lora_step and self.lora_step.slots):
+            return self.native_stack.forward(
+                hidden,
+                positions,
+                self.rotary.cos,
+                self.rotary.sin_signed,
+                [k_cache for k_cache, _ in kv_caches],
+                [v_cache for _, v_cache in kv_caches],
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+            )
         rope = self.rotary.for_step(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -151,6 +167,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack(quantize)
         if quantize is None:
             self.lm_head_packed = try_pack(self._lm_head_weight().data)
+            self.model.native_stack = native_stack(self.model)
             return
         embedding = self.model.embed_tokens.quantize()
         if self.tied:
@@ -194,6 +211,7 @@ class LlamaForCausalLM(nn.Module):
         (the slots of the linear that holds it, its projection's shard id there)}."""
         modules = dict(self.named_modules())
         weight = self.model.embed_tokens.weight
+        self.model.lora_step = step
         targets = {}
         for name in linear_shapes(self.config):
             fused, projection = _fused_name(f"{name}.")

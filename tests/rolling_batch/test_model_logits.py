@@ -31,8 +31,11 @@ STEPS = [
 DECODE_TOKENS = [42, 198, 7042, 30, 216]
 
 
-def run_steps(runner, block_size):
-    tokens = {name: list(prompt) for name, prompt in PROMPTS.items()}
+def run_steps(runner, block_size, vocab_size=None):
+    """(each sequence's tokens so far, its logits) for every row of every step; `vocab_size`
+    folds the token ids into a smaller vocabulary."""
+    fold = (lambda token: token % vocab_size) if vocab_size else (lambda token: token)
+    tokens = {name: [fold(t) for t in prompt] for name, prompt in PROMPTS.items()}
     computed = dict.fromkeys(PROMPTS, 0)
     blocks_per_seq = -(-MAX_MODEL_LEN // block_size)
     free = list(range(runner.num_blocks))[::-1]  # reversed: tables are not the identity
@@ -42,7 +45,7 @@ def run_steps(runner, block_size):
         chunks = []
         for name, count in step:
             if computed[name] >= len(PROMPTS[name]):  # decoding: append the next token
-                tokens[name].append(DECODE_TOKENS[step_number])
+                tokens[name].append(fold(DECODE_TOKENS[step_number]))
             new = tokens[name][computed[name] : computed[name] + count]
             chunks.append(SequenceChunk(tuple(new), computed[name], blocks[name], True))
             computed[name] += count

@@ -1,0 +1,74 @@
+"""The C++ decoder stack (rolling_batch/models/native_stack.py) serves fp32 models on one rank
+and gives exactly the bits the Python layers give, step after step over the caches it fills;
+models whose layers need Python keep the Python layers. Its agreement with HF is
+test_model_logits' and test_architectures' (they run through it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmserve.kernels import cpu_native
+from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
+from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.step import SequenceChunk
+
+from .test_architectures import VARIANTS, save_tiny
+from .test_model_logits import MAX_MODEL_LEN, run_steps
+
+pytestmark = pytest.mark.skipif(
+    cpu_native.native_ops() is None, reason="no C++ CPU kernels on this machine"
+)
+
+
+class CountingStack:
+    """Hands every call to the real stack and counts them."""
+
+    def __init__(self, stack):
+        self.stack = stack
+        self.calls = 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.stack.forward(*args)
+
+
+def runner_for(model_dir, **options):
+    defaults = dict(dtype="fp32", max_model_len=MAX_MODEL_LEN, block_size=4, max_num_seqs=4)
+    options = RuntimeOptions(**{**defaults, **options})
+    runner, _, _ = build_runner(model_dir, options, TensorParallelGroup())
+    return runner
+
+
+@pytest.fixture(scope="module")
+def biased_model_dir(tmp_path_factory):
+    """Llama with Q/K/V, O and MLP biases: every optional input of the stack is given."""
+    folder = tmp_path_factory.mktemp("biased")
+    save_tiny(folder, *VARIANTS["llama-biases-untied-llama3-rope"])
+    return folder
+
+
+@pytest.mark.parametrize("model", ["tiny", "biased"])
+def test_stack_gives_the_python_layers_bits(model, tiny_model_dir, biased_model_dir):
+    """Mixed steps (a prompt in chunks beside decodes, contexts over several blocks) through
+    two runners of one model, one with the stack and one without: equal logits, bit for bit."""
+    model_dir = tiny_model_dir if model == "tiny" else biased_model_dir
+    with_stack, without = runner_for(model_dir), runner_for(model_dir)
+    counting = CountingStack(with_stack.model.model.native_stack)
+    with_stack.model.model.native_stack = counting
+    without.model.model.native_stack = None
+    vocab_size = with_stack.model.config.vocab_size
+    stacked = run_steps(with_stack, with_stack.block_size, vocab_size)
+    python = run_steps(without, without.block_size, vocab_size)
+    assert counting.calls == 4  # every step of run_steps went through it
+    for (sequence, got), (_, expected) in zip(stacked, python, strict=True):
+        assert torch.equal(got, expected), f"after {len(sequence)} tokens"
+
+
+@pytest.mark.parametrize("options", [{"dtype": "bf16"}, {"quantize": "int8"}], ids=str)
+def test_layers_outside_the_panels_keep_python(options, tiny_model_dir):
+    """bf16 linears are oneDNN's, int8 ones the quantized kernels': the Python layers serve."""
+    runner = runner_for(tiny_model_dir, **options)
+    assert runner.model.model.native_stack is None
+    (logits,) = runner.execute([SequenceChunk((5, 6, 7), 0, (0, 1), True)])
+    assert torch.isfinite(logits).all()
