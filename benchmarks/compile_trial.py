@@ -12,11 +12,14 @@ the step's own glue. The forward is compiled once with dynamic shapes (the token
 batch and the context lengths vary every step) and timed against eager on the same decode
 steps as `op_count`: B sequences, one decode token each after --prompt-len prompt tokens.
 Compile time and the first call's time are reported too (a server pays them at start-up).
+Eager is the runtime as it serves: where the decoder stack runs as one C++ call
+(rolling_batch/models/native_stack.py), inductor is given the Python layers it replaces.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 import types
 
@@ -34,7 +37,7 @@ from .runtime_throughput import (
     run_under_engine_allocator,
 )
 
-_PACKED: list[torch.Tensor] = []  # handle -> oneDNN-packed weight
+_LINEARS: list = []  # handle -> the packed weight's own eager call
 _OUT_FEATURES: list[int] = []
 
 
@@ -99,9 +102,7 @@ def register_opaque_ops(native: types.ModuleType) -> types.SimpleNamespace:
 
     @torch.library.custom_op("lmserve_trial::packed_linear", mutates_args=())
     def packed_linear(x: torch.Tensor, handle: int, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), _PACKED[handle], bias, "none", [], ""
-        )
+        return _LINEARS[handle](x, bias)
 
     @packed_linear.register_fake
     def _(x, handle, bias):
@@ -116,23 +117,28 @@ def register_opaque_ops(native: types.ModuleType) -> types.SimpleNamespace:
         silu_and_mul=silu_and_mul,
     )
     shim.packed_linear = packed_linear
+    # Eager only: the fp32 panels' layout, and the whole decoder stack in one C++ call.
+    shim.pack_linear_weight = native.pack_linear_weight
+    shim.DecoderStack = native.DecoderStack
     return shim
 
 
-def route_packed_linears_through(packed_linear) -> None:
-    """Every PackedWeight (built from here on) calls the custom op with its handle."""
-    original_init = cpu_matmul.PackedWeight.__init__
+def route_packed_linears_through(packed_linear, native: types.ModuleType) -> None:
+    """Every packed weight (oneDNN's or the C++ panels', built from here on) calls the custom
+    op with its handle; the op calls the weight's own eager code."""
+    for kind in (cpu_matmul.PackedWeight, cpu_matmul.NativeLinearWeight):
+        original_init, original_call = kind.__init__, kind.__call__
 
-    def init(self, weight):
-        original_init(self, weight)
-        self.handle = len(_PACKED)
-        _PACKED.append(self.packed)
-        _OUT_FEATURES.append(weight.shape[0])
+        def init(self, weight, *rest, original_init=original_init, original_call=original_call):
+            original_init(self, weight, *rest)
+            if hasattr(self, "native"):
+                self.native = native  # not the shim, whose packed_linear is the custom op
+            self.handle = len(_LINEARS)
+            _LINEARS.append(functools.partial(original_call, self))
+            _OUT_FEATURES.append(weight.shape[0])
 
-    cpu_matmul.PackedWeight.__init__ = init
-    cpu_matmul.PackedWeight.__call__ = lambda self, x, bias=None: packed_linear(
-        x, self.handle, bias
-    )
+        kind.__init__ = init
+        kind.__call__ = lambda self, x, bias=None: packed_linear(x, self.handle, bias)
 
 
 def main() -> None:
@@ -147,12 +153,20 @@ def main() -> None:
     if native is None:
         raise SystemExit("the trial needs the C++ kernels")
     shim = register_opaque_ops(native)
-    route_packed_linears_through(shim.packed_linear)
+    route_packed_linears_through(shim.packed_linear, native)
     cpu_native.native_ops = lambda: shim  # every call site looks it up per call
     model_path = local_model_path(None, default_cache_dir())
     runner, _, blocks = batch_runner(model_path, args.dtype, max(args.batches), args.prompt_len + 1)
     eager_forward = runner.model.forward
     compiled_forward = torch.compile(eager_forward, dynamic=True)
+    stack = runner.model.model.native_stack
+
+    def use(compiled: bool) -> None:
+        """Eager: the runtime as it serves (its decoder stack where it applies); compiled:
+        the Python layers, which are what inductor can see."""
+        runner.model.forward = compiled_forward if compiled else eager_forward
+        runner.model.model.native_stack = None if compiled else stack
+
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}; decode"
         f" step after {args.prompt_len} prompt tokens\n\n| batch | eager ms | compiled ms |"
@@ -160,17 +174,17 @@ def main() -> None:
     )
     for batch in args.batches:
         chunks = decode_chunks(runner, blocks[:batch], args.prompt_len)
-        runner.model.forward = eager_forward
+        use(compiled=False)
         eager = median_step_seconds(runner, chunks, args.repeats)
-        runner.model.forward = compiled_forward
+        use(compiled=True)
         started = time.perf_counter()
         with torch.inference_mode():
             runner.execute(chunks)  # compiles (first batch) or checks guards
         first = time.perf_counter() - started
         compiled = median_step_seconds(runner, chunks, args.repeats)
-        runner.model.forward = eager_forward
+        use(compiled=False)
         eager_logits = runner.execute(chunks)
-        runner.model.forward = compiled_forward
+        use(compiled=True)
         difference = (runner.execute(chunks) - eager_logits).abs().max().item()
         print(
             f"| {batch} | {1e3 * eager:.2f} | {1e3 * compiled:.2f} | {compiled / eager:.2f} |"
