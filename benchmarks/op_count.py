@@ -7,7 +7,10 @@ so the count is the number to drive down. Counted at the dispatcher (a TorchDisp
 every ATen op, oneDNN linear and registered custom op counts once; and calls from Python into
 a C++ extension's functions (pybind11: they bypass the dispatcher, so the mode never sees
 them) count once each too, named `module.function`. What a C++ op does inside counts as
-nothing more. Whatever the runtime is when this runs is what is counted.
+nothing more, except where it calls back into the dispatcher (the decoder stack, which runs
+all of a step's layers in one C++ call, counts the ops it calls: no per-layer split then;
+`--python-layers` counts the Python layers instead). Whatever the runtime is when this runs is
+what is counted.
 
 Setup as in runtime_throughput: the embedded SmolLM2-135M, one process, B prompts of
 --prompt-len random tokens prefilled, then one decode token each. The timed step repeats that
@@ -82,7 +85,12 @@ class OpCounter(TorchDispatchMode):
 
             return hook
 
-        handles = [model.register_forward_pre_hook(enter(BEFORE))]
+        # The model's own end hook too: where its decoder stack runs in one C++ call no layer
+        # hook fires, and the LM head still counts after the layers.
+        handles = [
+            model.register_forward_pre_hook(enter(BEFORE)),
+            model.register_forward_hook(enter(AFTER)),
+        ]
         for index, layer in enumerate(layers or ()):
             handles.append(layer.register_forward_pre_hook(enter(index)))
             handles.append(layer.register_forward_hook(enter(AFTER)))
@@ -109,8 +117,16 @@ def decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList | None:
     return None
 
 
-def measure(model_path, dtype: str, batch: int, prompt_len: int, repeats: int) -> dict:
+def measure(
+    model_path, dtype: str, batch: int, prompt_len: int, repeats: int, python_layers=False
+) -> dict:
+    """`python_layers`: the model's Python layers serve even where its decoder stack would
+    run in one C++ call (rolling_batch/models/native_stack.py), as before the stack."""
     runner, hf_config, blocks = batch_runner(model_path, dtype, batch, prompt_len + 1)
+    if python_layers:
+        for module in runner.model.modules():
+            if getattr(module, "native_stack", None) is not None:
+                module.native_stack = None
     decode = decode_chunks(runner, blocks, prompt_len)
     step_s = median_step_seconds(runner, decode, repeats)
 
@@ -156,6 +172,8 @@ def print_tables(dtype: str, results: dict[int, dict], top: int) -> None:
     for batch, r in results.items():
         total = sum(r["total"].values())
         layer_text, typical[batch] = layer_summary(r["layers"])
+        if not any(r["layers"][i] for i in range(len(r["layers"]))):
+            layer_text = "- (one C++ call: the decoder stack)"
         outside = " / ".join(str(r["sections"][s]) for s in (INPUTS, BEFORE, AFTER))
         print(
             f"| {batch} | {total} | {layer_text} | {len(r['layers'])} | {outside} |"
@@ -185,6 +203,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed steps (median)")
     parser.add_argument("--top", type=int, default=12, help="op names listed")
     parser.add_argument("--threads", type=int, help="torch threads; default: torch's")
+    parser.add_argument(
+        "--python-layers", action="store_true", help="the Python layers, not the decoder stack"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -195,7 +216,9 @@ def main() -> None:
     )
     for dtype in args.dtypes:
         results = {
-            batch: measure(model_path, dtype, batch, args.prompt_len, args.repeats)
+            batch: measure(
+                model_path, dtype, batch, args.prompt_len, args.repeats, args.python_layers
+            )
             for batch in args.batches
         }
         print_tables(dtype, results, args.top)

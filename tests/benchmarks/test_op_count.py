@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy
+import pytest
 import torch
 
 from lmserve.benchmarks.op_count import AFTER, BEFORE, INPUTS, OpCounter, layer_summary, measure
@@ -36,7 +37,7 @@ def test_a_c_extension_call_counts_once_and_python_builtins_not_at_all():
 
 
 def test_a_decode_step_is_counted_by_section_and_layer(tiny_model_dir):
-    result = measure(tiny_model_dir, "fp32", batch=2, prompt_len=8, repeats=1)
+    result = measure(tiny_model_dir, "fp32", batch=2, prompt_len=8, repeats=1, python_layers=True)
     assert len(result["layers"]) == 2  # the tiny Llama's
     assert all(sum(layer.values()) > 0 for layer in result["layers"])
     in_layers = sum(sum(layer.values()) for layer in result["layers"])
@@ -51,3 +52,16 @@ def test_layer_summary_names_the_odd_layers():
     text, ops = layer_summary([odd, typical, typical])
     assert text == "3 (layer 0: 5)" and ops == typical
     assert layer_summary([])[0] == "-"
+
+
+def test_the_decoder_stack_counts_its_ops_before_the_lm_head(tiny_model_dir):
+    """Where the layers run as one C++ call (fp32 with the C++ kernels), the ops it calls count
+    before the LM head and no layer has a count of its own."""
+    result = measure(tiny_model_dir, "fp32", batch=2, prompt_len=8, repeats=1)
+    if not any(name.endswith(".forward") for name in result["total"]):
+        pytest.skip("no decoder stack here (no C++ CPU kernels)")
+    assert not any(result["layers"])
+    python = measure(tiny_model_dir, "fp32", batch=2, prompt_len=8, repeats=1, python_layers=True)
+    assert result["sections"][BEFORE] > python["sections"][BEFORE]
+    assert result["sections"][AFTER] > 0  # the LM head
+    assert sum(result["total"].values()) == sum(result["sections"].values())
