@@ -1284,11 +1284,25 @@ void lora_add_(at::Tensor out, const at::Tensor& x, const at::Tensor& a,
 }
 
 // ---------------------------------------------------------------------------------------------
-// A Llama-family decoder stack on one rank with fp32 weights in panels: LlamaModel.forward's
+// A Llama-family decoder stack on one rank with packed weights: LlamaModel.forward's
 // ops (rolling_batch/models/llama.py) in the same order on the same tensors, called from here
 // instead of from Python. Between a layer's ~10 ops Python spent 1.5 ms a step with warm
 // caches but 4.5 ms in a real step, where the weight stream evicts the interpreter's working
 // set every layer: 18% of a batch-1 decode step on a 2-core Xeon, 12% at batch 32.
+
+// A linear in oneDNN's blocked layout, as rolling_batch/layers/cpu_matmul.py's PackedWeight
+// calls it (the same op, so the same bits).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x.contiguous(), packed,
+                                 bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
+                                 std::string("none"), c10::List<std::optional<c10::Scalar>>(),
+                                 std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
 
 struct DecoderLayer {
   at::Tensor input_norm, qkv, o, post_norm, gate_up, down;  // norms' weights; linears packed
@@ -1297,10 +1311,12 @@ struct DecoderLayer {
 
 class DecoderStack {
  public:
+  // `panels`: the linears are fp32 in packed_linear's panels, else in oneDNN's layout.
   DecoderStack(int64_t num_q, int64_t num_kv, int64_t head_dim, int64_t hidden,
-               int64_t intermediate, double eps, double scale, at::Tensor final_norm)
+               int64_t intermediate, double eps, double scale, at::Tensor final_norm, bool panels)
       : num_q_(num_q), num_kv_(num_kv), head_dim_(head_dim), hidden_(hidden),
-        intermediate_(intermediate), eps_(eps), scale_(scale), final_norm_(std::move(final_norm)) {}
+        intermediate_(intermediate), eps_(eps), scale_(scale), final_norm_(std::move(final_norm)),
+        panels_(panels) {}
 
   void add_layer(at::Tensor input_norm, at::Tensor qkv, std::optional<at::Tensor> qkv_bias,
                  at::Tensor o, std::optional<at::Tensor> o_bias, at::Tensor post_norm,
@@ -1329,8 +1345,7 @@ class DecoderStack {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const DecoderLayer& layer = layers_[i];
       if (i > 0) add_rms_norm_(hidden, residual, layer.input_norm, eps_);
-      const at::Tensor qkv = packed_linear(hidden, layer.qkv, q_size + 2 * kv_size,
-                                           layer.qkv_bias);
+      const at::Tensor qkv = linear(hidden, layer.qkv, q_size + 2 * kv_size, layer.qkv_bias);
       const at::Tensor query_key =
           qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_q_ + num_kv_, head_dim_});
       rotary_(query_key, positions, cos, sin_signed);
@@ -1341,20 +1356,34 @@ class DecoderStack {
       const at::Tensor attended =
           paged_attention(query_key.narrow(1, 0, num_q_), k_caches[i], v_caches[i],
                           block_tables, seq_lens, query_start_loc, scale_);
-      hidden = packed_linear(attended.view({tokens, q_size}), layer.o, hidden_, layer.o_bias);
+      hidden = row_linear(attended.view({tokens, q_size}), layer.o, layer.o_bias);
       add_rms_norm_(hidden, residual, layer.post_norm, eps_);
       const at::Tensor gate_up =
-          packed_linear(hidden, layer.gate_up, 2 * intermediate_, layer.gate_up_bias);
-      hidden = packed_linear(silu_and_mul(gate_up), layer.down, hidden_, layer.down_bias);
+          linear(hidden, layer.gate_up, 2 * intermediate_, layer.gate_up_bias);
+      hidden = row_linear(silu_and_mul(gate_up), layer.down, layer.down_bias);
     }
     add_rms_norm_(hidden, residual, final_norm_, eps_);
     return hidden;
   }
 
  private:
+  at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, int64_t out_features,
+                    const std::optional<at::Tensor>& bias) const {
+    return panels_ ? packed_linear(x, weight, out_features, bias) : onednn_linear(x, weight, bias);
+  }
+
+  // O and down: RowLinear adds the bias after the matmul (after the all-reduce with tensor
+  // parallel), a rounding of its own in bf16.
+  at::Tensor row_linear(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias) const {
+    const at::Tensor out = linear(x, weight, hidden_, std::nullopt);
+    return bias.has_value() ? out + *bias : out;
+  }
+
   int64_t num_q_, num_kv_, head_dim_, hidden_, intermediate_;
   double eps_, scale_;
   at::Tensor final_norm_;
+  bool panels_;
   std::vector<DecoderLayer> layers_;
 };
 
@@ -1375,7 +1404,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add_", &lora_add_);
   // forward() holds no Python object: other Python threads run meanwhile.
   py::class_<DecoderStack>(m, "DecoderStack")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor>())
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, at::Tensor,
+                    bool>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("vector_width", [] { return static_cast<int64_t>(Vec::size()); });

@@ -1,5 +1,6 @@
 """A Llama decoder stack run by one C++ call a step (`DecoderStack` in kernels/csrc/cpu_ops.cpp)
-where every op of its layers is native: the same ops as `LlamaModel.forward`'s layers, in the
+where every op of its layers is native (fp32 linears in the C++ panels, bf16 and fp16 ones
+through oneDNN): the same ops as `LlamaModel.forward`'s layers, in the
 same order, so the same bits, without Python between them. A step's weight stream evicts the
 interpreter's working set every layer, so its ~10 calls a layer cost 4.5 ms of a 25 ms batch-1
 decode step on a 2-core Xeon (1.5 ms with warm caches; benchmarks/README.md, performance log).
@@ -11,29 +12,31 @@ import logging
 
 from lmserve.kernels import cpu_native
 
-from ..layers.cpu_matmul import NativeLinearWeight
+from ..layers.cpu_matmul import NativeLinearWeight, PackedWeight
 
 log = logging.getLogger(__name__)
 
 
 def native_stack(model):
     """The C++ stack over `model`'s (a LlamaModel's) layers, or None where its layers need
-    Python: weights outside the C++ panels (bf16, quantized, on a GPU, no compiler), or tensor
-    parallel (all-reduces between the ops)."""
+    Python: weights neither in the C++ panels (fp32) nor in oneDNN's layout (bf16, fp16), as
+    quantized ones and a GPU's are, or tensor parallel (all-reduces between the ops)."""
     native = cpu_native.ops_for(model.norm.weight)
     if native is None:
         return None
     layers = list(model.layers)
+    kinds = set()
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
         linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(linear.packed, NativeLinearWeight) for linear in linears):
-            return None
+        kinds |= {type(linear.packed) for linear in linears}
         if attention.o_proj.group.world_size > 1 or mlp.down_proj.group.world_size > 1:
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(norm.eps != model.norm.eps for norm in norms):
             return None
+    if len(kinds) != 1 or not kinds <= {NativeLinearWeight, PackedWeight}:
+        return None
     first = layers[0].self_attn
     stack = native.DecoderStack(
         first.heads.num_q,
@@ -44,6 +47,7 @@ def native_stack(model):
         model.norm.eps,
         first.scale,
         model.norm.weight,
+        kinds == {NativeLinearWeight},
     )
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
