@@ -1,9 +1,9 @@
 """A Llama decoder stack run by one C++ call a step (`DecoderStack` in kernels/csrc/cpu_ops.cpp)
 where every op of its layers is native (fp32 linears in the C++ panels, bf16 and fp16 ones
-through oneDNN): the same ops as `LlamaModel.forward`'s layers, in the
-same order, so the same bits, without Python between them. A step's weight stream evicts the
-interpreter's working set every layer, so its ~10 calls a layer cost 4.5 ms of a 25 ms batch-1
-decode step on a 2-core Xeon (1.5 ms with warm caches; benchmarks/README.md, performance log).
+through oneDNN): the same ops as `LlamaModel.forward`'s layers, in the same order, so the same
+bits, without Python between them. A step's weight stream evicts the interpreter's working set
+every layer, so its ~10 calls a layer cost 4.5 ms of a 25 ms batch-1 decode step on a 2-core
+Xeon (1.5 ms with warm caches; benchmarks/README.md, performance log).
 """
 
 from __future__ import annotations
