@@ -1056,10 +1056,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const int64_t units_per_block = (panels + unit_panels - 1) / unit_panels;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t unit = next.fetch_add(1); unit < row_blocks * units_per_block;
-         unit = next.fetch_add(1)) {
+    const int64_t units = row_blocks * units_per_block;
+    const auto first_panel = [&](int64_t unit) { return unit % units_per_block * unit_panels; };
+    for (int64_t unit = next.fetch_add(1); unit < units;) {
+      // The unit after this one is claimed now, so that its first panel streams in while
+      // this unit's last panel computes.
+      const int64_t following = next.fetch_add(1);
       const int64_t r0 = unit / units_per_block * block_rows, r1 = std::min(rows, r0 + block_rows);
-      const int64_t begin = unit % units_per_block * unit_panels;
+      const int64_t begin = first_panel(unit);
       const int64_t end = std::min(panels, begin + unit_panels);
       const int64_t tiles = (r1 - r0 + kLinearRows - 1) / kLinearRows;
       // One panel is in * kPanel floats: its lines spread over this panel's row tiles.
@@ -1067,8 +1071,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       for (int64_t p = begin; p < end; ++p) {
         const float* panel = weights + p * in * kPanel;
         const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
-        const float* prefetch = panel + in * kPanel;
-        const float* prefetch_end = p + 1 < end ? prefetch + in * kPanel : prefetch;
+        const int64_t ahead = p + 1 < end ? p + 1 : following < units ? first_panel(following) : -1;
+        const float* prefetch = ahead < 0 ? panel : weights + ahead * in * kPanel;
+        const float* prefetch_end = ahead < 0 ? prefetch : prefetch + in * kPanel;
         for (int64_t r = r0; r < r1; r += kLinearRows) {
           with_count<kLinearRows>(std::min<int64_t>(kLinearRows, r1 - r), [&](auto count) {
             linear_tile<decltype(count)::value>(
@@ -1078,6 +1083,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
           });
         }
       }
+      unit = following;
     }
   });
   return out;
