@@ -19,6 +19,7 @@
 #include <limits>
 #include <numeric>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -972,6 +973,51 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Greedy decoding's pick: each row's most likely token (the first of equal maxima, NaN above
+// all, as torch.max) and its log-probability, -log(sum of exp(logit - max)), which is what
+// log_softmax gives the maximum. Two passes over a row that stays in L2, where torch.max and
+// log_softmax write and read a whole [rows, vocab] distribution.
+
+std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
+              "logits must be fp32 [rows, vocab]");
+  const at::Tensor rows = logits.stride(1) == 1 ? logits : logits.contiguous();
+  const int64_t n = rows.size(0), vocab = rows.size(1), stride = rows.stride(0);
+  auto tokens = at::empty({n}, rows.options().dtype(at::kLong));
+  auto log_probs = at::empty({n}, rows.options());
+  const float* data = rows.data_ptr<float>();
+  int64_t* token_out = tokens.data_ptr<int64_t>();
+  float* log_prob_out = log_probs.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = data + r * stride;
+      int64_t i = 0;
+      Vec maxima(-std::numeric_limits<float>::infinity());
+      for (; i + Vec::size() <= vocab; i += Vec::size()) {
+        maxima = at::vec::maximum(maxima, Vec::loadu(x + i));  // NaN wins, as in torch.max
+      }
+      float max = at::vec::vec_reduce_all<float>(
+          [](Vec a, Vec b) { return at::vec::maximum(a, b); }, maxima);
+      for (; i < vocab; ++i) max = std::isnan(x[i]) || x[i] > max ? x[i] : max;
+      int64_t token = 0;
+      while (token < vocab && !(std::isnan(max) ? std::isnan(x[token]) : x[token] == max)) {
+        ++token;
+      }
+      const Vec shift(max);
+      Vec sums(0.f);
+      for (i = 0; i + Vec::size() <= vocab; i += Vec::size()) {
+        sums = sums + (Vec::loadu(x + i) - shift).exp();
+      }
+      float sum = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, sums);
+      for (; i < vocab; ++i) sum += std::exp(x[i] - max);
+      token_out[r] = token;
+      log_prob_out[r] = -std::log(sum);
+    }
+  });
+  return {tokens, log_probs};
+}
+
+// ---------------------------------------------------------------------------------------------
 // fp32 linear on a weight packed once into panels of kPanel outputs, each panel [in][kPanel]
 // contiguous (the last one zero-padded). A tile of up to kLinearRows rows of x by one panel
 // keeps its sums in registers, so every weight vector loaded serves all the tile's rows. Few
@@ -1433,6 +1479,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("silu_and_mul", &silu_and_mul);
+  m.def("greedy_pick", &greedy_pick);
   m.def("pack_linear_weight", &pack_linear_weight);
   m.def("packed_linear", &packed_linear);
   m.def("int8_linear", &int8_linear);

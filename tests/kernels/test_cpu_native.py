@@ -360,3 +360,22 @@ def test_lora_segments_match_each_token_through_its_own_adapter(native, dtype):
     close(native_out / scale, expected / scale, dtype)
     untouched = token_slot < 0
     assert torch.equal(native_out[untouched], out[untouched])  # base-model tokens: nothing added
+
+
+def test_greedy_pick_equals_max_and_log_softmax(native):
+    """Greedy decoding's token and log-prob, as torch.max and log_softmax give them: the first
+    of equal maxima, NaN above everything, a row of -inf has no probabilities."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1003, generator=generator) * 4  # no multiple of any vector width
+    logits[1, 500] = logits[1, 20] = 99.0
+    logits[2, 7] = logits[2, 900] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 1002] = 50.0  # the maximum in the scalar tail
+    for rows in (logits, torch.cat([logits, logits], dim=1)[:, 3:1006]):  # also strided rows
+        tokens, log_probs = native.greedy_pick(rows)
+        expected = torch.max(rows, dim=-1).indices
+        assert tokens.tolist() == expected.tolist()
+        reference = torch.log_softmax(rows, dim=-1).gather(1, expected[:, None])[:, 0]
+        torch.testing.assert_close(log_probs, reference, rtol=1e-6, atol=1e-6, equal_nan=True)
+    tokens, _ = native.greedy_pick(logits)
+    assert tokens[:3].tolist() == [int(logits[0].argmax()), 20, 7] and tokens[4] == 1002
