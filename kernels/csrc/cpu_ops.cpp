@@ -1022,7 +1022,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits) {
 // contiguous (the last one zero-padded). A tile of up to kLinearRows rows of x by one panel
 // keeps its sums in registers, so every weight vector loaded serves all the tile's rows. Few
 // rows (decode) are bound by reading the weight: each tile also prefetches a share of the
-// next panel of its run into L2, so the stream never waits on memory. oneDNN's packed fp32
+// panel the thread computes next (the next of its unit, or the first of the unit it has
+// already claimed) into L2, so the stream never waits on memory. oneDNN's packed fp32
 // matmul, which leaves the stream to the hardware prefetcher, took 1.3-1.7x as long at 1-64
 // rows (benchmarks/README.md). Each output is one chain of fused multiply-adds over the
 // inputs in order, however many rows there are: a row's result does not depend on its batch.
