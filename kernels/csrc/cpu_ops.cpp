@@ -1037,15 +1037,15 @@ constexpr int64_t kPanel = kPanelVecs * Vec::size();
 constexpr int64_t kLineFloats = 64 / sizeof(float);
 // The rows of x one pass over the weight serves: their activations stay in L2 meanwhile.
 constexpr int64_t kLinearBlockBytes = 512 * 1024;
+// Inputs between two asks for the next panel's lines where a panel has 2 to 16 row tiles.
+constexpr int kSpreadInputs = 4;
 
-// out[r][0..cols) = sum over i of x[r][i] * panel[i][..] (+ bias), for R rows of x. At
-// inputs i with (i & prefetch_mask) == 0 it asks for `prefetch_lines` lines of the panel ahead
-// (a mask only where Sparse).
-template <int R, bool Sparse>
+// out[r][0..cols) = sum over i of x[r][i] * panel[i][..] (+ bias), for R rows of x. Every
+// `AskEvery` inputs it asks for `prefetch_lines` lines of the panel ahead.
+template <int R, int AskEvery>
 inline void linear_tile(const float* x, int64_t in, const float* panel, const float* bias,
                         float* out, int64_t out_stride, int64_t cols, const float*& prefetch,
-                        int64_t prefetch_lines, const float* prefetch_end,
-                        int64_t prefetch_mask) {
+                        int64_t prefetch_lines, const float* prefetch_end) {
   Vec acc[R][kPanelVecs];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = Vec(0.f);
@@ -1053,7 +1053,7 @@ inline void linear_tile(const float* x, int64_t in, const float* panel, const fl
   for (int64_t i = 0; i < in; ++i) {
     Vec w[kPanelVecs];
     for (int v = 0; v < kPanelVecs; ++v) w[v] = Vec::loadu(panel + i * kPanel + v * Vec::size());
-    const bool asks = !Sparse || (i & prefetch_mask) == 0;
+    const bool asks = AskEvery == 1 || i % AskEvery == 0;
     for (int64_t line = 0; asks && line < prefetch_lines && prefetch < prefetch_end; ++line) {
       _mm_prefetch(reinterpret_cast<const char*>(prefetch), _MM_HINT_T1);
       prefetch += kLineFloats;
@@ -1129,15 +1129,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       const int64_t begin = first_panel(unit);
       const int64_t end = std::min(panels, begin + unit_panels);
       const int64_t tiles = (r1 - r0 + kLinearRows - 1) / kLinearRows;
-      // One panel is in * kPanel floats: from 2 to 16 tiles its lines go out a few every 4th
-      // input, spread over all of this panel's tiles (asking for them at every input, in the
-      // first tiles only and faster than memory delivers, stalled the multiply-adds: 64 rows
-      // 1.13x, 32 rows 1.03x slower). One tile asks at every input, as the weight stream
-      // bounds it; more than 16 tiles hide the stream anyway, where the test per input cost
-      // 2-5%.
-      const int64_t prefetch_mask = tiles >= 2 && tiles <= 16 ? 3 : 0;  // asks: every mask + 1
+      // One panel is in * kPanel floats: from 2 to 16 tiles its lines go out a few every
+      // kSpreadInputs inputs, spread over all of this panel's tiles (asking for them at every
+      // input, in the first tiles only and faster than memory delivers, stalled the
+      // multiply-adds: 64 rows 1.13x, 32 rows 1.03x slower). One tile asks at every input, as
+      // the weight stream bounds it; more than 16 tiles hide the stream anyway, where the test
+      // per input cost 2-5%.
+      const bool spread = tiles >= 2 && tiles <= 16;
       const int64_t prefetch_lines =
-          ((prefetch_mask + 1) * kPanel / kLineFloats + tiles - 1) / tiles;
+          ((spread ? kSpreadInputs : 1) * kPanel / kLineFloats + tiles - 1) / tiles;
       for (int64_t p = begin; p < end; ++p) {
         const float* panel = weights + p * in * kPanel;
         const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
@@ -1149,14 +1149,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
             constexpr int kRows = decltype(count)::value;
             const float* tile_bias = bias_data == nullptr ? nullptr : bias_data + col0;
             float* tile_out = o + r * out_features + col0;
-            if (prefetch_mask == 0) {
-              linear_tile<kRows, false>(xs + r * in, in, panel, tile_bias, tile_out,
-                                        out_features, cols, prefetch, prefetch_lines,
-                                        prefetch_end, 0);
+            if (spread) {
+              linear_tile<kRows, kSpreadInputs>(xs + r * in, in, panel, tile_bias, tile_out,
+                                                out_features, cols, prefetch, prefetch_lines,
+                                                prefetch_end);
             } else {
-              linear_tile<kRows, true>(xs + r * in, in, panel, tile_bias, tile_out,
-                                       out_features, cols, prefetch, prefetch_lines,
-                                       prefetch_end, prefetch_mask);
+              linear_tile<kRows, 1>(xs + r * in, in, panel, tile_bias, tile_out, out_features,
+                                    cols, prefetch, prefetch_lines, prefetch_end);
             }
           });
         }
