@@ -59,6 +59,14 @@ def test_paged_attention_long_chunked_prompt_beside_decodes(native):
     close(native.paged_attention(*attention_args(case, 0.125)), contiguous_attention(case, 0.125))
 
 
+def test_paged_attention_streaming_ahead_over_long_contexts(native):
+    """Enough K/V (over 1 MiB) that the rows are asked for keys ahead as they are read:
+    prompt chunks and decodes over many chunks of keys, blocks of an odd size."""
+    seqs = [(700, 70), (650, 1), (300, 1), (45, 45), (513, 1)]
+    case = make_case(seqs, 5, 9, 3, 64, seed=5)
+    close(native.paged_attention(*attention_args(case, 0.125)), contiguous_attention(case, 0.125))
+
+
 def test_paged_attention_reads_query_heads_from_a_fused_qkv_row(native):
     """The attention layer passes the query as a view into the QKV projection's output."""
     case = make_case(SCENARIOS["chunked"], 4, 6, 2, 16)
