@@ -239,11 +239,12 @@ inline void score_keys(const float* q, const float* const* keys, int64_t d, floa
   }
 }
 
-// K/V rows asked for kAheadKeys keys before they are read (in this chunk or the next), a
-// few lines at each step of the scores and of P V, so the lines stream in while the chunk
-// computes. A whole chunk asked for at once (512 lines at head_dim 64) stalls the core until
-// most of them have arrived, and fetching and computing then take turns: on a 2-core Zen 4,
-// 64 decodes of 250 keys over 30 layers' caches took 1.2x as long that way.
+// K/V rows asked for kAheadKeys keys before they are read (in this chunk, the next, or the
+// first of the thread's next item), a few lines at each step of the scores and of P V, so the
+// lines stream in while the chunk computes. A whole chunk asked for at once (512 lines at
+// head_dim 64) stalls the core until most of them have arrived, and fetching and computing
+// then take turns: on a 2-core Zen 4, 64 decodes of 250 keys over 30 layers' caches took 1.2x
+// as long that way.
 constexpr int64_t kAheadKeys = 32;
 // A call reading less K/V than this asks for whole chunks: its misses can all be in flight at
 // once (a lone decode of 288 keys ran 15% faster so on Zen 4; 2 of 1,000 keys 1.3x slower).
@@ -277,7 +278,8 @@ struct RowsAhead {
 };
 
 // acc[r][j] += sum over keys t of weight(t, r) * value[t][offset + j], for RT rows and DV
-// vectors of j; `acc` points at the tile's first element, rows d apart.
+// vectors of j; `acc` points at the tile's first element, rows d apart. With Asks, each
+// key's step asks for the V row `ahead` holds kAheadKeys keys later.
 template <int RT, int DV, bool Asks>
 inline void output_tile(const float* weights, ScoreLayout layout, const float* const* values,
                         int64_t offset, int64_t num_keys, int64_t d, float* acc,
@@ -450,8 +452,14 @@ struct AttentionState {
         with_count<kOutRows>(row_count, [&](auto rt) {
           with_count<kOutVecs>(std::min<int64_t>(kOutVecs, full_vecs - j), [&](auto dv) {
             constexpr int RT = decltype(rt)::value, DV = decltype(dv)::value;
-            const auto tile = asks ? output_tile<RT, DV, true> : output_tile<RT, DV, false>;
-            tile(weights, layout, values.data(), offset, in_chunk, d, acc + r * d + offset, ahead);
+            float* tile = acc + r * d + offset;
+            if (asks) {
+              output_tile<RT, DV, true>(weights, layout, values.data(), offset, in_chunk, d, tile,
+                                        ahead);
+            } else {
+              output_tile<RT, DV, false>(weights, layout, values.data(), offset, in_chunk, d, tile,
+                                         ahead);
+            }
           });
         });
       }
