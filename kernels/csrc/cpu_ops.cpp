@@ -349,6 +349,13 @@ struct AttentionState {
     }
   }
 
+  // Keys a transposed chunk scores: its real ones in whole key tiles. A prompt's first
+  // tiles see fewer keys than a chunk holds (a 32-token prompt's first 16 tokens see 16), and
+  // the rest would be scored, masked and summed as zero weights for nothing.
+  static int64_t scored(int64_t in_chunk) {
+    return (in_chunk + kKeyTile - 1) / kKeyTile * kKeyTile;
+  }
+
   void score_chunk(int64_t in_chunk) {
     if (!transposed) {
       // Keys past in_chunk are zeros, their scores masked in the softmax.
@@ -363,7 +370,7 @@ struct AttentionState {
       return;
     }
     const int64_t row_vecs = row_pad / Vec::size();
-    for (int64_t t = 0; t < kKeyChunk; t += kKeyTile) {
+    for (int64_t t = 0; t < scored(in_chunk); t += kKeyTile) {
       ahead.ask_keys(t, kKeyTile);
       for (int64_t v = 0; v < row_vecs; v += kScoreVecs) {
         with_count<kScoreVecs>(std::min<int64_t>(kScoreVecs, row_vecs - v), [&](auto count) {
@@ -379,7 +386,9 @@ struct AttentionState {
   // chunk on and the corrections exp(old max - new max) are never exp(-inf + inf).
   void softmax_chunk(int64_t key0, int64_t in_chunk, bool masked, bool first_chunk) {
     if (transposed) {
-      for (int64_t v = 0; v < row_pad; v += Vec::size()) softmax_lanes_are_rows(key0, v, masked);
+      for (int64_t v = 0; v < row_pad; v += Vec::size()) {
+        softmax_lanes_are_rows(key0, v, scored(in_chunk), masked);
+      }
     } else {
       for (int64_t r = 0; r < rows; ++r) softmax_lanes_are_keys(key0, in_chunk, r);
     }
@@ -388,11 +397,11 @@ struct AttentionState {
     }
   }
 
-  void softmax_lanes_are_rows(int64_t key0, int64_t v, bool masked) {
+  void softmax_lanes_are_rows(int64_t key0, int64_t v, int64_t keys_scored, bool masked) {
     const Vec last = Vec::loadu(last_key + v);
     const Vec hidden(kNegInf);
     Vec chunk_max(kNegInf);
-    for (int64_t t = 0; t < kKeyChunk; ++t) {
+    for (int64_t t = 0; t < keys_scored; ++t) {
       Vec s = Vec::loadu(scores + t * row_pad + v);
       if (masked) {
         s = Vec::blendv(s, hidden, Vec(static_cast<float>(key0 + t)) > last);
@@ -403,7 +412,7 @@ struct AttentionState {
     const Vec old_max = Vec::loadu(row_max + v);
     const Vec new_max = at::vec::maximum(old_max, chunk_max);
     Vec sums(0.f);
-    for (int64_t t = 0; t < kKeyChunk; ++t) {
+    for (int64_t t = 0; t < keys_scored; ++t) {
       const Vec p = (Vec::loadu(scores + t * row_pad + v) - new_max).exp();
       p.store(scores + t * row_pad + v);
       sums = sums + p;
