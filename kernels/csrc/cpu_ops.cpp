@@ -1231,6 +1231,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const int64_t block_rows =
       std::max<int64_t>(kLinearRows, kLinearBlockBytes / (in * 4) / kLinearRows * kLinearRows);
   const int64_t row_blocks = (rows + block_rows - 1) / block_rows;
+  // Blocks of even size: 225 rows in two passes of 113 and 112, not 224 and one, whose pass
+  // streams the whole weight for a row.
+  const auto block_start = [&](int64_t block) { return block * rows / row_blocks; };
   // Work units of a row block by a run of panels, taken from a shared counter: a thread that
   // wakes late or streams slower takes fewer, so neither waits long for the other at the end.
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), panels));
@@ -1244,7 +1247,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       // The unit after this one is claimed now, so that its first panel streams in while
       // this unit's last panel computes.
       const int64_t following = next.fetch_add(1);
-      const int64_t r0 = unit / units_per_block * block_rows, r1 = std::min(rows, r0 + block_rows);
+      const int64_t block = unit / units_per_block;
+      const int64_t r0 = block_start(block), r1 = block_start(block + 1);
       const int64_t begin = first_panel(unit);
       const int64_t end = std::min(panels, begin + unit_panels);
       const int64_t tiles = (r1 - r0 + kLinearRows - 1) / kLinearRows;
