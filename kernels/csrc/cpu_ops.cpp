@@ -356,8 +356,8 @@ struct AttentionState {
     }
   }
 
-  // Keys a transposed chunk scores: its real ones in whole key tiles. A prompt's first
-  // tiles see fewer keys than a chunk holds (a 32-token prompt's first 16 tokens see 16), and
+  // Keys a transposed chunk scores: its real ones in whole key tiles. An item's last chunk
+  // often holds fewer than kKeyChunk (the first tile of a 32-token prompt sees 16 keys), and
   // the rest would be scored, masked and summed as zero weights for nothing.
   static int64_t scored(int64_t in_chunk) {
     return (in_chunk + kKeyTile - 1) / kKeyTile * kKeyTile;
