@@ -1063,6 +1063,10 @@ void add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Te
 // SiLU-and-mul: out = silu(gate) * up for gate_up = [gate | up], as torch computes
 // `silu(gate) * up` (silu = x / (1 + exp(-x)), rounded to the model dtype, then the product).
 
+// silu(x) = x / (1 + exp(-x)), lane by lane: the one formula of silu_and_mul and the gated
+// linear's fused outputs, so either gives the same bits.
+inline Vec silu(Vec x) { return x / (Vec(1.f) + x.neg().exp()); }
+
 template <typename T>
 void silu_and_mul_impl(const at::Tensor& gate_up, const at::Tensor& out) {
   const int64_t rows = gate_up.size(0), n = out.size(1);
@@ -1074,17 +1078,14 @@ void silu_and_mul_impl(const at::Tensor& gate_up, const at::Tensor& out) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = as_float(in + r * 2 * n, gf, n);
       const float* u = as_float(in + r * 2 * n + n, uf, n);
-      const Vec one(1.f);
-      int64_t i = 0;
-      for (; i + Vec::size() <= n; i += Vec::size()) {
-        const Vec x = Vec::loadu(g + i);
-        (x / (one + x.neg().exp())).store(result + i);
+      for (int64_t i = 0; i < n; i += Vec::size()) {
+        const int64_t left = std::min<int64_t>(n - i, Vec::size());
+        silu(Vec::loadu(g + i, left)).store(result + i, left);
       }
-      for (; i < n; ++i) result[i] = g[i] / (1.f + std::exp(-g[i]));
       if constexpr (!std::is_same_v<T, float>) {
-        for (i = 0; i < n; ++i) result[i] = static_cast<float>(static_cast<T>(result[i]));
+        for (int64_t i = 0; i < n; ++i) result[i] = static_cast<float>(static_cast<T>(result[i]));
       }
-      for (i = 0; i < n; ++i) result[i] = result[i] * u[i];
+      for (int64_t i = 0; i < n; ++i) result[i] = result[i] * u[i];
       store_from_float(result, o + r * n, n);
     }
   });
@@ -1167,19 +1168,30 @@ constexpr int64_t kLinearBlockBytes = 512 * 1024;
 // Inputs between two asks for the next panel's lines where a panel has 2 to 16 row tiles.
 constexpr int kSpreadInputs = 4;
 
-// out[r][0..cols) = sum over i of x[r][i] * panel[i][..] (+ bias), for R rows of x. Every
-// `AskEvery` inputs it asks for `prefetch_lines` lines of the panel ahead.
-template <int R, int AskEvery>
-inline void linear_tile(const float* x, int64_t in, const float* panel, const float* bias,
-                        float* out, int64_t out_stride, int64_t cols, const float*& prefetch,
-                        int64_t prefetch_lines, const float* prefetch_end) {
-  Vec acc[R][kPanelVecs];
+// Gate and up (SwiGLU): a gated weight packs each panel of gate outputs beside the panel of
+// up outputs with the same indices, [pairs, in, 2 * kPanel], so one tile holds both sums of
+// its outputs and can write silu(gate) * up straight away: no [rows, 2 * intermediate]
+// written out and read back by a pass of its own (3.6 ms of a 107 ms step of 64 decodes on a
+// 2-core Zen 4, its reads mostly from the other core's L2).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kGatedVecs = 2, kGatedRows = 6;  // gate's 2 and up's 2 vectors: 24 sums
+#else
+constexpr int kGatedVecs = 1, kGatedRows = 6;  // 12 sums
+#endif
+constexpr int64_t kGatedPanel = kGatedVecs * Vec::size();  // outputs of gate (and up) a panel
+
+// acc[r][v] = sum over i of x[r][i] * panel[i][v-th vector], for R rows of x and a panel PV
+// vectors wide. Every `AskEvery` inputs it asks for `prefetch_lines` lines of the panel ahead.
+template <int R, int PV, int AskEvery>
+inline void tile_sums(const float* x, int64_t in, const float* panel, Vec (&acc)[R][PV],
+                      const float*& prefetch, int64_t prefetch_lines, const float* prefetch_end) {
+  constexpr int64_t width = PV * Vec::size();
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = Vec(0.f);
+    for (int v = 0; v < PV; ++v) acc[r][v] = Vec(0.f);
   }
   for (int64_t i = 0; i < in; ++i) {
-    Vec w[kPanelVecs];
-    for (int v = 0; v < kPanelVecs; ++v) w[v] = Vec::loadu(panel + i * kPanel + v * Vec::size());
+    Vec w[PV];
+    for (int v = 0; v < PV; ++v) w[v] = Vec::loadu(panel + i * width + v * Vec::size());
     const bool asks = AskEvery == 1 || i % AskEvery == 0;
     for (int64_t line = 0; asks && line < prefetch_lines && prefetch < prefetch_end; ++line) {
       _mm_prefetch(reinterpret_cast<const char*>(prefetch), _MM_HINT_T1);
@@ -1187,57 +1199,23 @@ inline void linear_tile(const float* x, int64_t in, const float* panel, const fl
     }
     for (int r = 0; r < R; ++r) {
       const Vec xi(x[r * in + i]);
-      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = at::vec::fmadd(xi, w[v], acc[r][v]);
-    }
-  }
-  for (int v = 0; v < kPanelVecs; ++v) {
-    const int64_t left = std::min<int64_t>(cols - v * Vec::size(), Vec::size());
-    if (left <= 0) break;
-    const Vec b = bias == nullptr ? Vec(0.f) : Vec::loadu(bias + v * Vec::size(), left);
-    for (int r = 0; r < R; ++r) {
-      float* o = out + r * out_stride + v * Vec::size();
-      if (left == Vec::size()) {
-        (acc[r][v] + b).store(o);
-      } else {
-        (acc[r][v] + b).store(o, left);
-      }
+      for (int v = 0; v < PV; ++v) acc[r][v] = at::vec::fmadd(xi, w[v], acc[r][v]);
     }
   }
 }
 
-// [out, in] fp32 -> [panels, in, kPanel]: what packed_linear reads.
-at::Tensor pack_linear_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
-              "weight must be fp32 [out, in]");
-  const int64_t out_features = weight.size(0), in = weight.size(1);
-  const int64_t panels = (out_features + kPanel - 1) / kPanel;
-  auto padded = at::zeros({panels * kPanel, in}, weight.options());
-  padded.narrow(0, 0, out_features).copy_(weight);
-  return padded.view({panels, kPanel, in}).transpose(1, 2).contiguous();
-}
+// Rows of a tile in its sums' array type: Vec[R][PV].
+template <typename Acc>
+constexpr int tile_rows = static_cast<int>(std::extent_v<std::remove_reference_t<Acc>>);
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                         const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be fp32 [rows, in]");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
-                  packed.size(2) == kPanel && packed.size(1) == x.size(1),
-              "packed must come from pack_linear_weight of an [out, in] weight");
-  const int64_t panels = packed.size(0), in = packed.size(1), rows = x.size(0);
-  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
-              "out_features does not match the packed weight");
-  TORCH_CHECK(in > 0, "a linear needs at least one input feature");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                                    bias->dim() == 1 && bias->size(0) == out_features),
-              "bias must be contiguous fp32 [out]");
-  const at::Tensor xc = x.contiguous();
-  auto out = at::empty({rows, out_features}, xc.options());
-  if (rows == 0) return out;
-  const float* xs = xc.data_ptr<float>();
-  const float* weights = packed.data_ptr<float>();
-  const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* o = out.data_ptr<float>();
+// Computes every tile of x's `rows` rows by the `panels` panels of `weights` (each [in][PV
+// vectors]) and hands each tile's sums to `finish(acc, panel, first_row)`.
+template <int PV, int MaxRows, typename Finish>
+void for_each_tile(const float* xs, int64_t rows, int64_t in, const float* weights,
+                   int64_t panels, const Finish& finish) {
+  constexpr int64_t width = PV * Vec::size();
   const int64_t block_rows =
-      std::max<int64_t>(kLinearRows, kLinearBlockBytes / (in * 4) / kLinearRows * kLinearRows);
+      std::max<int64_t>(MaxRows, kLinearBlockBytes / (in * 4) / MaxRows * MaxRows);
   const int64_t row_blocks = (rows + block_rows - 1) / block_rows;
   // Blocks of even size: 225 rows in two passes of 113 and 112, not 224 and one, whose pass
   // streams the whole weight for a row.
@@ -1259,13 +1237,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       const int64_t r0 = block_start(block), r1 = block_start(block + 1);
       const int64_t begin = first_panel(unit);
       const int64_t end = std::min(panels, begin + unit_panels);
-      const int64_t tiles = (r1 - r0 + kLinearRows - 1) / kLinearRows;
+      const int64_t tiles = (r1 - r0 + MaxRows - 1) / MaxRows;
       // The rows shared out evenly over the tiles: 32 rows on AVX2 as 6, 6, 5, 5, 5, 5, not
       // 6, 6, 6, 6, 6, 2. A tile of a few rows has too few independent sums to cover the
       // multiply-add's latency (two rows: 4 on AVX2 where 8 keep both units busy) and took
       // about as long as a full one.
       const auto tile_start = [&](int64_t tile) { return r0 + tile * (r1 - r0) / tiles; };
-      // One panel is in * kPanel floats: from 2 to 16 tiles its lines go out a few every
+      // One panel is in * width floats: from 2 to 16 tiles its lines go out a few every
       // kSpreadInputs inputs, spread over all of this panel's tiles (asking for them at every
       // input, in the first tiles only and faster than memory delivers, stalled the
       // multiply-adds: 64 rows 1.13x, 32 rows 1.03x slower). One tile asks at every input, as
@@ -1273,33 +1251,152 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       // per input cost 2-5%.
       const bool spread = tiles >= 2 && tiles <= 16;
       const int64_t prefetch_lines =
-          ((spread ? kSpreadInputs : 1) * kPanel / kLineFloats + tiles - 1) / tiles;
+          ((spread ? kSpreadInputs : 1) * width / kLineFloats + tiles - 1) / tiles;
       for (int64_t p = begin; p < end; ++p) {
-        const float* panel = weights + p * in * kPanel;
-        const int64_t col0 = p * kPanel, cols = std::min(kPanel, out_features - col0);
+        const float* panel = weights + p * in * width;
         const int64_t ahead = p + 1 < end ? p + 1 : following < units ? first_panel(following) : -1;
-        const float* prefetch = ahead < 0 ? panel : weights + ahead * in * kPanel;
-        const float* prefetch_end = ahead < 0 ? prefetch : prefetch + in * kPanel;
+        const float* prefetch = ahead < 0 ? panel : weights + ahead * in * width;
+        const float* prefetch_end = ahead < 0 ? prefetch : prefetch + in * width;
         for (int64_t tile = 0; tile < tiles; ++tile) {
           const int64_t r = tile_start(tile);
-          with_count<kLinearRows>(tile_start(tile + 1) - r, [&](auto count) {
-            constexpr int kRows = decltype(count)::value;
-            const float* tile_bias = bias_data == nullptr ? nullptr : bias_data + col0;
-            float* tile_out = o + r * out_features + col0;
+          with_count<MaxRows>(tile_start(tile + 1) - r, [&](auto count) {
+            Vec acc[decltype(count)::value][PV];
             if (spread) {
-              linear_tile<kRows, kSpreadInputs>(xs + r * in, in, panel, tile_bias, tile_out,
-                                                out_features, cols, prefetch, prefetch_lines,
-                                                prefetch_end);
+              tile_sums<decltype(count)::value, PV, kSpreadInputs>(
+                  xs + r * in, in, panel, acc, prefetch, prefetch_lines, prefetch_end);
             } else {
-              linear_tile<kRows, 1>(xs + r * in, in, panel, tile_bias, tile_out, out_features,
-                                    cols, prefetch, prefetch_lines, prefetch_end);
+              tile_sums<decltype(count)::value, PV, 1>(xs + r * in, in, panel, acc, prefetch,
+                                                       prefetch_lines, prefetch_end);
             }
+            finish(acc, p, r);
           });
         }
       }
       unit = following;
     }
   });
+}
+
+// out[r][c] = v lane by lane for the first `left` of a vector's lanes.
+inline void store_lanes(Vec v, float* out, int64_t left) {
+  if (left == Vec::size()) {
+    v.store(out);
+  } else {
+    v.store(out, left);
+  }
+}
+
+// A bias vector's first `left` lanes (the rest zero), or zeros where there is no bias.
+inline Vec bias_lanes(const float* bias, int64_t offset, int64_t left) {
+  return bias == nullptr ? Vec(0.f) : Vec::loadu(bias + offset, left);
+}
+
+// [out, in] fp32 -> [panels, in, kPanel]: what packed_linear reads.
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
+              "weight must be fp32 [out, in]");
+  const int64_t out_features = weight.size(0), in = weight.size(1);
+  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  auto padded = at::zeros({panels * kPanel, in}, weight.options());
+  padded.narrow(0, 0, out_features).copy_(weight);
+  return padded.view({panels, kPanel, in}).transpose(1, 2).contiguous();
+}
+
+// [gate; up] fp32 [2 * n, in] -> [pairs, in, 2 * kGatedPanel]: pair p holds gate outputs
+// p * kGatedPanel.. and the up outputs alike, side by side for every input.
+at::Tensor pack_gated_weight(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat &&
+                  gate_up.size(0) % 2 == 0,
+              "gate_up must be fp32 [2 * intermediate, in]");
+  const int64_t n = gate_up.size(0) / 2, in = gate_up.size(1);
+  const int64_t pairs = (n + kGatedPanel - 1) / kGatedPanel;
+  auto padded = at::zeros({2, pairs * kGatedPanel, in}, gate_up.options());
+  padded.narrow(1, 0, n).copy_(gate_up.view({2, n, in}));
+  // [2, pairs, kGatedPanel, in] -> [pairs, in, 2, kGatedPanel]
+  return padded.view({2, pairs, kGatedPanel, in}).permute({1, 3, 0, 2}).contiguous().view(
+      {pairs, in, 2 * kGatedPanel});
+}
+
+// Checks shared by the panel linears: x [rows, in] fp32, bias [bias_size] fp32 if any.
+void check_panel_inputs(const at::Tensor& x, const at::Tensor& packed, int64_t width,
+                        const std::optional<at::Tensor>& bias, int64_t bias_size) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be fp32 [rows, in]");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.size(2) == width && packed.size(1) == x.size(1),
+              "packed must come from pack_linear_weight (pack_gated_weight for gated_linear) of"
+              " an [out, in] weight");
+  TORCH_CHECK(x.size(1) > 0, "a linear needs at least one input feature");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                    bias->dim() == 1 && bias->size(0) == bias_size),
+              "bias must be contiguous fp32 [out]");
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const std::optional<at::Tensor>& bias) {
+  check_panel_inputs(x, packed, kPanel, bias, out_features);
+  const int64_t panels = packed.size(0), in = packed.size(1), rows = x.size(0);
+  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
+              "out_features does not match the packed weight");
+  const at::Tensor xc = x.contiguous();
+  auto out = at::empty({rows, out_features}, xc.options());
+  if (rows == 0) return out;
+  const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  for_each_tile<kPanelVecs, kLinearRows>(
+      xc.data_ptr<float>(), rows, in, packed.data_ptr<float>(), panels,
+      [&](const auto& acc, int64_t p, int64_t row) {
+        const int64_t col0 = p * kPanel;
+        for (int v = 0; v < kPanelVecs; ++v) {
+          const int64_t left = std::min<int64_t>(out_features - col0 - v * Vec::size(),
+                                                 Vec::size());
+          if (left <= 0) break;
+          const Vec b = bias_lanes(bias_data, col0 + v * Vec::size(), left);
+          for (int r = 0; r < tile_rows<decltype(acc)>; ++r) {
+            store_lanes(acc[r][v] + b, o + (row + r) * out_features + col0 + v * Vec::size(),
+                        left);
+          }
+        }
+      });
+  return out;
+}
+
+// x [rows, in] by a pack_gated_weight weight of `intermediate` gate and up outputs (bias:
+// [gate | up] biases). `fused`: silu(gate) * up, [rows, intermediate], the bits silu_and_mul
+// gives from the [gate | up] that packed_linear computes; else [gate | up], [rows, 2 *
+// intermediate], packed_linear's bits (a LoRA adapter adds to them before the activation).
+at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate,
+                        const std::optional<at::Tensor>& bias, bool fused) {
+  check_panel_inputs(x, packed, 2 * kGatedPanel, bias, 2 * intermediate);
+  const int64_t pairs = packed.size(0), in = packed.size(1), rows = x.size(0);
+  TORCH_CHECK(intermediate > (pairs - 1) * kGatedPanel && intermediate <= pairs * kGatedPanel,
+              "intermediate does not match the packed weight");
+  const at::Tensor xc = x.contiguous();
+  const int64_t out_features = fused ? intermediate : 2 * intermediate;
+  auto out = at::empty({rows, out_features}, xc.options());
+  if (rows == 0) return out;
+  const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  for_each_tile<2 * kGatedVecs, kGatedRows>(
+      xc.data_ptr<float>(), rows, in, packed.data_ptr<float>(), pairs,
+      [&](const auto& acc, int64_t p, int64_t row) {
+        for (int v = 0; v < kGatedVecs; ++v) {
+          const int64_t col = p * kGatedPanel + v * Vec::size();
+          const int64_t left = std::min<int64_t>(intermediate - col, Vec::size());
+          if (left <= 0) break;
+          const Vec gate_bias = bias_lanes(bias_data, col, left);
+          const Vec up_bias = bias_lanes(bias_data, intermediate + col, left);
+          for (int r = 0; r < tile_rows<decltype(acc)>; ++r) {
+            const Vec gate = acc[r][v] + gate_bias, up = acc[r][kGatedVecs + v] + up_bias;
+            float* out_row = o + (row + r) * out_features;
+            if (fused) {
+              store_lanes(silu(gate) * up, out_row + col, left);
+            } else {
+              store_lanes(gate, out_row + col, left);
+              store_lanes(up, out_row + intermediate + col, left);
+            }
+          }
+        }
+      });
   return out;
 }
 
@@ -1531,7 +1628,8 @@ struct DecoderLayer {
 
 class DecoderStack {
  public:
-  // `panels`: the linears are fp32 in packed_linear's panels, else in oneDNN's layout.
+  // `panels`: the linears are fp32 in packed_linear's panels (gate and up in
+  // pack_gated_weight's), else in oneDNN's layout.
   DecoderStack(int64_t num_q, int64_t num_kv, int64_t head_dim, int64_t hidden,
                int64_t intermediate, double eps, double scale, at::Tensor final_norm, bool panels)
       : num_q_(num_q), num_kv_(num_kv), head_dim_(head_dim), hidden_(hidden),
@@ -1578,9 +1676,7 @@ class DecoderStack {
                           block_tables, seq_lens, query_start_loc, scale_);
       hidden = row_linear(attended.view({tokens, q_size}), layer.o, layer.o_bias);
       add_rms_norm_(hidden, residual, layer.post_norm, eps_);
-      const at::Tensor gate_up =
-          linear(hidden, layer.gate_up, 2 * intermediate_, layer.gate_up_bias);
-      hidden = row_linear(silu_and_mul(gate_up), layer.down, layer.down_bias);
+      hidden = row_linear(activated_mlp_input(hidden, layer), layer.down, layer.down_bias);
     }
     add_rms_norm_(hidden, residual, final_norm_, eps_);
     return hidden;
@@ -1590,6 +1686,12 @@ class DecoderStack {
   at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, int64_t out_features,
                     const std::optional<at::Tensor>& bias) const {
     return panels_ ? packed_linear(x, weight, out_features, bias) : onednn_linear(x, weight, bias);
+  }
+
+  // silu(gate) * up of the layer's gate and up projections of x.
+  at::Tensor activated_mlp_input(const at::Tensor& x, const DecoderLayer& layer) const {
+    if (panels_) return gated_linear(x, layer.gate_up, intermediate_, layer.gate_up_bias, true);
+    return silu_and_mul(onednn_linear(x, layer.gate_up, layer.gate_up_bias));
   }
 
   // O and down: RowLinear adds the bias after the matmul (after the all-reduce with tensor
@@ -1619,6 +1721,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_pick", &greedy_pick);
   m.def("pack_linear_weight", &pack_linear_weight);
   m.def("packed_linear", &packed_linear);
+  m.def("pack_gated_weight", &pack_gated_weight);
+  m.def("gated_linear", &gated_linear);
   m.def("int8_linear", &int8_linear);
   m.def("int4_dequantize", &int4_dequantize);
   m.def("int8_dequantize", &int8_dequantize);

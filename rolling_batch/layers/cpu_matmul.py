@@ -60,19 +60,43 @@ class NativeLinearWeight:
         return out.view(*x.shape[:-1], self.out_features)
 
 
-DenseWeight = PackedWeight | NativeLinearWeight
+class NativeGatedWeight:
+    """An fp32 gate and up projection `weight` [2 * n, in] (gate's rows, then up's) in the C++
+    kernels' paired panels. Called like `linear(x, weight, bias)` it gives [gate | up];
+    `silu_and_mul` gives silu(gate) * up from the same pass without writing gate and up out.
+    Either gives the bits of the plain panels (and silu_and_mul after them)."""
+
+    def __init__(self, weight: torch.Tensor, native):
+        self.intermediate = weight.shape[0] // 2
+        self.native = native
+        self.packed = native.pack_gated_weight(weight)
+
+    def _gated(self, x: torch.Tensor, bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = self.native.gated_linear(rows, self.packed, self.intermediate, bias, fused)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self._gated(x, bias, fused=False)
+
+    def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self._gated(x, bias, fused=True)
 
 
-def try_pack(weight: torch.Tensor) -> DenseWeight | None:
+DenseWeight = PackedWeight | NativeLinearWeight | NativeGatedWeight
+
+
+def try_pack(weight: torch.Tensor, gated: bool = False) -> DenseWeight | None:
     """The fastest packed form for `weight`, or None where neither the C++ kernels (fp32) nor
     oneDNN can take it (not on CPU, or fp16 on a CPU without AVX512-FP16): the caller keeps the
-    plain matmul."""
+    plain matmul. `gated`: the weight is [gate; up], for the C++ kernels' paired panels."""
     if weight.device.type != "cpu":
         return None
     if weight.dtype == torch.float32:
         native = cpu_native.native_ops()
         if native is not None:
-            return NativeLinearWeight(weight, native)
+            kind = NativeGatedWeight if gated else NativeLinearWeight
+            return kind(weight, native)
     if not torch.backends.mkldnn.is_available():
         return None
     try:
@@ -94,6 +118,7 @@ class PackableLinear(nn.Module):
     in_start = 0  # of this rank's shard among the layer's inputs (row-parallel: see RowLinear)
     int4_group_size: int | None = None  # set when the checkpoint brings int4 codes
     int8_from_checkpoint = False  # ... or int8 codes
+    gated = False  # the outputs are [gate | up] for silu(gate) * up (SwiGLU)
     lora: LoraSlots | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,9 +126,14 @@ class PackableLinear(nn.Module):
             out = nn.functional.linear(x, self.weight, bias)
         else:
             out = self.packed(x, bias)
-        if self.lora is not None and self.lora.step.slots:
+        if self.adapters_active:
             self.lora.add_to(out, x)
         return out
+
+    @property
+    def adapters_active(self) -> bool:
+        """LoRA adapters add to this step's outputs."""
+        return self.lora is not None and bool(self.lora.step.slots)
 
     @property
     def projection_sizes(self) -> list[int]:
@@ -167,6 +197,6 @@ class PackableLinear(nn.Module):
                     tuple(weight.shape),
                     GROUP_SIZE,
                 )
-            self.packed = try_pack(weight)
+            self.packed = try_pack(weight, self.gated)
         if self.packed is not None:  # the packed copy replaces the weight: no doubled memory
             self.weight.data = self.weight.new_empty(0)

@@ -52,8 +52,16 @@ class QKVLinear(PackableLinear):
 class MergedColumnLinear(PackableLinear):
     """Several column-parallel projections of the same input in one matmul (gate and up)."""
 
-    def __init__(self, in_features: int, out_features: list[int], group: TensorParallelGroup, bias):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: list[int],
+        group: TensorParallelGroup,
+        bias,
+        gated: bool = False,
+    ):
         super().__init__()
+        self.gated = gated  # [gate, up]: packed for the fused silu(gate) * up
         self.splits = [balanced_split(n, group.world_size, group.rank) for n in out_features]
         self.offsets = [sum(size for _, size in self.splits[:i]) for i in range(len(self.splits))]
         local = sum(size for _, size in self.splits)

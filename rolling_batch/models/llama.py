@@ -13,7 +13,7 @@ from torch import nn
 from lmserve.kernels import cpu_native
 
 from ..layers.attention import Attention, AttentionMetadata
-from ..layers.cpu_matmul import DenseWeight, PackableLinear, try_pack
+from ..layers.cpu_matmul import DenseWeight, NativeGatedWeight, PackableLinear, try_pack
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding, take_int8
 from ..layers.linear import MergedColumnLinear, RowLinear
 from ..layers.lora import LoraSlots, LoraStep
@@ -40,12 +40,17 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [size, size], group, bias)
+        self.gate_up_proj = MergedColumnLinear(
+            config.hidden_size, [size, size], group, bias, gated=True
+        )
         start, local = balanced_split(size, group.world_size, group.rank)
         self.down_proj = RowLinear(start, local, config.hidden_size, group, bias)
         self.local = local
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.gate_up_proj.packed
+        if isinstance(packed, NativeGatedWeight) and not self.gate_up_proj.adapters_active:
+            return self.down_proj(packed.silu_and_mul(x, self.gate_up_proj.bias))
         gate_up = self.gate_up_proj(x)
         native = cpu_native.ops_for(gate_up)
         if native is not None:

@@ -12,7 +12,7 @@ import logging
 
 from lmserve.kernels import cpu_native
 
-from ..layers.cpu_matmul import NativeLinearWeight, PackedWeight
+from ..layers.cpu_matmul import NativeGatedWeight, NativeLinearWeight, PackedWeight
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +28,19 @@ def native_stack(model):
     kinds = set()
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
-        linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        kinds |= {type(linear.packed) for linear in linears}
+        others = (attention.qkv_proj, attention.o_proj, mlp.down_proj)
+        kinds.add((type(mlp.gate_up_proj.packed), *{type(linear.packed) for linear in others}))
         if attention.o_proj.group.world_size > 1 or mlp.down_proj.group.world_size > 1:
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(norm.eps != model.norm.eps for norm in norms):
             return None
-    if len(kinds) != 1 or not kinds <= {NativeLinearWeight, PackedWeight}:
+    # gate and up in the C++ panels are paired (NativeGatedWeight); oneDNN's are one weight
+    if kinds == {(NativeGatedWeight, NativeLinearWeight)}:
+        panels = True
+    elif kinds == {(PackedWeight, PackedWeight)}:
+        panels = False
+    else:
         return None
     first = layers[0].self_attn
     stack = native.DecoderStack(
@@ -47,7 +52,7 @@ def native_stack(model):
         model.norm.eps,
         first.scale,
         model.norm.weight,
-        kinds == {NativeLinearWeight},
+        panels,
     )
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp

@@ -230,6 +230,40 @@ def test_packed_linear_gives_a_row_the_same_bits_in_any_batch(native):
     assert native.packed_linear(x[:0], packed, 200, None).shape == (0, 200)
 
 
+@pytest.mark.parametrize(
+    ("rows", "intermediate", "in_features"),
+    # one output; a pair with a remainder and a tile row remainder; SmolLM2's gate and up;
+    # more rows than one pass over the weight serves
+    [(1, 1, 2), (9, 40, 24), (33, 1536, 576), (200, 100, 1536)],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_linear_gives_the_plain_panels_bits(
+    native, rows, intermediate, in_features, with_bias
+):
+    """Gate and up paired in one panel: [gate | up] as packed_linear computes it, bit for bit,
+    and fused silu(gate) * up as silu_and_mul computes from that, so the model's greedy text
+    stays what it was through either."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(2 * intermediate, in_features, generator=generator)
+    bias = torch.randn(2 * intermediate, generator=generator) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator) * 2
+    plain = native.packed_linear(x, native.pack_linear_weight(weight), 2 * intermediate, bias)
+    paired = native.pack_gated_weight(weight)
+    assert torch.equal(native.gated_linear(x, paired, intermediate, bias, False), plain)
+    fused = native.gated_linear(x, paired, intermediate, bias, True)
+    assert torch.equal(fused, native.silu_and_mul(plain))
+
+
+def test_gated_linear_refuses_a_weight_not_packed_for_it(native):
+    weight = torch.randn(20, 8)
+    with pytest.raises(RuntimeError, match="pack_gated_weight"):  # panels of 3 outputs
+        native.gated_linear(torch.randn(2, 8), torch.zeros(4, 8, 3), 10, None, True)
+    with pytest.raises(RuntimeError, match="intermediate"):
+        native.gated_linear(torch.randn(2, 8), native.pack_gated_weight(weight), 100, None, True)
+    with pytest.raises(RuntimeError, match="2 \\* intermediate"):
+        native.pack_gated_weight(torch.randn(7, 8))
+
+
 def test_packed_linear_refuses_a_mismatched_weight(native):
     packed = native.pack_linear_weight(torch.randn(10, 8))
     with pytest.raises(RuntimeError, match="out_features"):

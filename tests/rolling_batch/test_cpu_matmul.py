@@ -9,8 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.kernels import cpu_native
-from lmserve.rolling_batch.layers.cpu_matmul import NativeLinearWeight, PackedWeight, try_pack
-from lmserve.rolling_batch.layers.linear import RowLinear
+from lmserve.rolling_batch.layers.cpu_matmul import (
+    NativeGatedWeight,
+    NativeLinearWeight,
+    PackedWeight,
+    try_pack,
+)
+from lmserve.rolling_batch.layers.linear import MergedColumnLinear, RowLinear
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
 
 
@@ -46,6 +51,28 @@ def test_fp32_weights_take_the_native_panels_and_compute_the_same_linear():
     assert isinstance(packed, NativeLinearWeight)
     x = torch.randn(2, 3, 64, generator=generator)  # leading dims kept, as F.linear keeps them
     torch.testing.assert_close(packed(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(cpu_native.native_ops() is None, reason="the C++ kernels are not built here")
+def test_gate_and_up_pack_paired_and_give_the_mlps_activation():
+    """An MLP's gate and up projection packs into the paired panels: called as a linear it
+    gives [gate | up] (a LoRA adapter adds to those), fused it gives silu(gate) * up."""
+    generator = torch.Generator().manual_seed(0)
+    layer = MergedColumnLinear(64, [40, 40], TensorParallelGroup(), bias=True, gated=True)
+    layer.weight.data = torch.randn(80, 64, generator=generator)
+    layer.bias.data = torch.randn(80, generator=generator)
+    weight, bias = layer.weight.data.clone(), layer.bias.data.clone()
+    x = torch.randn(2, 3, 64, generator=generator)
+
+    layer.pack()
+
+    assert isinstance(layer.packed, NativeGatedWeight)
+    expected = F.linear(x, weight, bias)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
+    gate, up = expected.split(40, dim=-1)
+    torch.testing.assert_close(
+        layer.packed.silu_and_mul(x, layer.bias), F.silu(gate) * up, rtol=1e-5, atol=1e-4
+    )
 
 
 def test_bf16_weights_take_onednns_layout():
