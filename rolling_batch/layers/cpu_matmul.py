@@ -2,8 +2,9 @@
 
 fp32 weights go to the C++ kernels' panel layout (`kernels/csrc/cpu_ops.cpp`,
 `packed_linear`), which prefetches the weight stream: 1.3-1.7x oneDNN's packed matmul at the
-1-64 rows of a decode step, level with it at prefill sizes. Other dtypes (bf16, fp16), and
-fp32 where the kernels are not built, take oneDNN's blocked layout: `nn.functional.linear`
+1-64 rows of a decode step, level with it at prefill sizes; so do bf16 weights where the CPU
+has AVX512-BF16 (`bf16_panels()`). Other dtypes (fp16, bf16 elsewhere), and fp32 where the
+kernels are not built, take oneDNN's blocked layout: `nn.functional.linear`
 re-lays out (bf16) or takes MKL's generic path (fp32, slow on AMD) on every call, and a weight
 reordered once is 1.5-3x faster for a decode step's rows. Either packed copy replaces the
 weight (benchmarks/README.md, performance log).
@@ -46,8 +47,8 @@ class PackedWeight:
 
 
 class NativeLinearWeight:
-    """An fp32 `weight` [out, in] in the C++ kernels' panels; called like
-    `linear(x, weight, bias)`."""
+    """An fp32 (or bf16, see `panels_take`) `weight` [out, in] in the C++ kernels' panels;
+    called like `linear(x, weight, bias)`."""
 
     def __init__(self, weight: torch.Tensor, native):
         self.out_features = weight.shape[0]
@@ -61,7 +62,7 @@ class NativeLinearWeight:
 
 
 class NativeGatedWeight:
-    """An fp32 gate and up projection `weight` [2 * n, in] (gate's rows, then up's) in the C++
+    """A gate and up projection `weight` [2 * n, in] (gate's rows, then up's) in the C++
     kernels' paired panels. Called like `linear(x, weight, bias)` it gives [gate | up];
     `silu_and_mul` gives silu(gate) * up from the same pass without writing gate and up out.
     Either gives the bits of the plain panels (and silu_and_mul after them)."""
@@ -86,17 +87,25 @@ class NativeGatedWeight:
 DenseWeight = PackedWeight | NativeLinearWeight | NativeGatedWeight
 
 
+def panels_take(weight: torch.Tensor, native) -> bool:
+    """The C++ panels multiply fp32 weights, and bf16 ones in pairs of inputs where the CPU
+    has AVX512-BF16."""
+    if weight.dtype == torch.bfloat16:
+        return native.bf16_panels() and weight.shape[1] % 2 == 0
+    return weight.dtype == torch.float32
+
+
 def try_pack(weight: torch.Tensor, gated: bool = False) -> DenseWeight | None:
-    """The fastest packed form for `weight`, or None where neither the C++ kernels (fp32) nor
-    oneDNN can take it (not on CPU, or fp16 on a CPU without AVX512-FP16): the caller keeps the
-    plain matmul. `gated`: the weight is [gate; up], for the C++ kernels' paired panels."""
+    """The fastest packed form for `weight`, or None where neither the C++ kernels (fp32,
+    bf16 with AVX512-BF16) nor oneDNN can take it (not on CPU, or fp16 on a CPU without
+    AVX512-FP16): the caller keeps the plain matmul. `gated`: the weight is [gate; up], for the
+    C++ kernels' paired panels."""
     if weight.device.type != "cpu":
         return None
-    if weight.dtype == torch.float32:
-        native = cpu_native.native_ops()
-        if native is not None:
-            kind = NativeGatedWeight if gated else NativeLinearWeight
-            return kind(weight, native)
+    native = cpu_native.native_ops()
+    if native is not None and panels_take(weight, native):
+        kind = NativeGatedWeight if gated else NativeLinearWeight
+        return kind(weight, native)
     if not torch.backends.mkldnn.is_available():
         return None
     try:

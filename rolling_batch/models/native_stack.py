@@ -1,9 +1,10 @@
 """A Llama decoder stack run by one C++ call a step (`DecoderStack` in kernels/csrc/cpu_ops.cpp)
-where every op of its layers is native (fp32 linears in the C++ panels, bf16 and fp16 ones
-through oneDNN): the same ops as `LlamaModel.forward`'s layers, in the same order, so the same
-bits, without Python between them. A step's weight stream evicts the interpreter's working set
-every layer, so its ~10 calls a layer cost 4.5 ms of a 25 ms batch-1 decode step on a 2-core
-Xeon (1.5 ms with warm caches; benchmarks/README.md, performance log).
+where every op of its layers is native (fp32 linears in the C++ panels, bf16 ones too where
+the CPU has AVX512-BF16, others through oneDNN): the same ops as `LlamaModel.forward`'s
+layers, in the same order, so the same bits, without Python between them. A step's weight
+stream evicts the interpreter's working set every layer, so its ~10 calls a layer cost 4.5 ms
+of a 25 ms batch-1 decode step on a 2-core Xeon (1.5 ms with warm caches; benchmarks/README.md,
+performance log).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 
 def native_stack(model):
     """The C++ stack over `model`'s (a LlamaModel's) layers, or None where its layers need
-    Python: weights neither in the C++ panels (fp32) nor in oneDNN's layout (bf16, fp16), as
+    Python: weights neither in the C++ panels (fp32, bf16) nor in oneDNN's layout (bf16, fp16), as
     quantized ones and a GPU's are, or tensor parallel (all-reduces between the ops)."""
     native = cpu_native.ops_for(model.norm.weight)
     if native is None:

@@ -230,6 +230,62 @@ def test_packed_linear_gives_a_row_the_same_bits_in_any_batch(native):
     assert native.packed_linear(x[:0], packed, 200, None).shape == (0, 200)
 
 
+def panel_dtype_or_skip(native, dtype):
+    if dtype == torch.bfloat16 and not native.bf16_panels():
+        pytest.skip("bf16 panels need AVX512-BF16 and the AVX-512 build")
+    return dtype
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    # one output; panels and tiles with remainders; SmolLM2's q/k/v; several row blocks
+    [(1, 1, 2), (5, 49, 8), (9, 100, 34), (33, 960, 576), (200, 130, 1536)],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_panels_equal_the_matmul_to_bf16s_rounding(
+    native, rows, out_features, in_features, with_bias
+):
+    """bf16 weights multiply in pairs of inputs (AVX512-BF16) into fp32 sums: within an fp32
+    sum's error of the exact product, then one bf16 rounding."""
+    panel_dtype_or_skip(native, torch.bfloat16)
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16() if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    got = native.packed_linear(x, native.pack_linear_weight(weight), out_features, bias)
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    bound = linear_error_bound(x.float(), weight.float(), bias) + expected.abs() * 2**-8
+    assert ((got.double() - expected).abs() <= bound).all()
+
+
+def test_bf16_panels_refuse_an_odd_number_of_inputs(native):
+    panel_dtype_or_skip(native, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="even number of inputs"):
+        native.pack_linear_weight(torch.randn(4, 7).bfloat16())
+
+
+def test_bf16_panels_round_each_sum_as_torch_rounds_fp32_to_bf16(native):
+    """Sums of two inputs on their way to bf16: ties to even, overflow to infinity, NaN kept,
+    as `Tensor.bfloat16()` rounds them. (The dot-product instruction flushes subnormal inputs
+    and sums to zero, as oneDNN's bf16 matmuls do.)"""
+    panel_dtype_or_skip(native, torch.bfloat16)
+    pairs = [
+        (1.0, 2**-8),  # a tie: stays 1.0 (even)
+        (1.0 + 2**-7, 2**-8),  # a tie: rounds up to even
+        (1.0, 3 * 2**-10),  # under half an ulp
+        (3e38, 3e38),  # overflow
+        (float("nan"), 1.0),
+        (-1.5, -2**-9),  # under half an ulp, negative
+    ]
+    x = torch.tensor(pairs).bfloat16()
+    weight = torch.ones(1, 2).bfloat16()
+    got = native.packed_linear(x, native.pack_linear_weight(weight), 1, None)[:, 0]
+    expected = (x[:, 0].float() + x[:, 1].float()).bfloat16()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("rows", "intermediate", "in_features"),
     # one output; a pair with a remainder and a tile row remainder; SmolLM2's gate and up;
@@ -238,15 +294,16 @@ def test_packed_linear_gives_a_row_the_same_bits_in_any_batch(native):
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gated_linear_gives_the_plain_panels_bits(
-    native, rows, intermediate, in_features, with_bias
+    native, dtype, rows, intermediate, in_features, with_bias
 ):
     """Gate and up paired in one panel: [gate | up] as packed_linear computes it, bit for bit,
-    and fused silu(gate) * up as silu_and_mul computes from that, so the model's greedy text
-    stays what it was through either."""
+    and fused silu(gate) * up as silu_and_mul computes from that (in bf16 with its roundings
+    between the ops), so the model's greedy text stays what it was through either."""
+    panel_dtype_or_skip(native, dtype)
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(2 * intermediate, in_features, generator=generator)
-    bias = torch.randn(2 * intermediate, generator=generator) if with_bias else None
-    x = torch.randn(rows, in_features, generator=generator) * 2
+    weight = torch.randn(2 * intermediate, in_features, generator=generator).to(dtype)
+    bias = torch.randn(2 * intermediate, generator=generator).to(dtype) if with_bias else None
+    x = (torch.randn(rows, in_features, generator=generator) * 2).to(dtype)
     plain = native.packed_linear(x, native.pack_linear_weight(weight), 2 * intermediate, bias)
     paired = native.pack_gated_weight(weight)
     assert torch.equal(native.gated_linear(x, paired, intermediate, bias, False), plain)

@@ -75,11 +75,22 @@ def test_gate_and_up_pack_paired_and_give_the_mlps_activation():
     )
 
 
-def test_bf16_weights_take_onednns_layout():
-    weight = torch.randn(100, 64).to(torch.bfloat16)
+def bf16_panels() -> bool:
+    native = cpu_native.native_ops()
+    return native is not None and native.bf16_panels()
+
+
+@pytest.mark.parametrize("in_features", [64, 63])
+def test_bf16_weights_take_the_bf16_panels_where_the_cpu_has_them_else_onednns_layout(
+    in_features,
+):
+    """AVX512-BF16 multiplies bf16 panels (pairs of inputs: an even number of them); other
+    CPUs, and odd inputs, keep oneDNN's layout."""
+    weight = torch.randn(100, in_features).to(torch.bfloat16)
     packed = try_pack(weight)
     if packed is None:
         pytest.skip("oneDNN takes no bf16 weight on this CPU")
-    assert isinstance(packed, PackedWeight)
-    x = torch.randn(5, 64).to(torch.bfloat16)
+    panels = bf16_panels() and in_features % 2 == 0
+    assert isinstance(packed, NativeLinearWeight if panels else PackedWeight)
+    x = torch.randn(5, in_features).to(torch.bfloat16)
     torch.testing.assert_close(packed(x).float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-2)

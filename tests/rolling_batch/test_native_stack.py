@@ -54,8 +54,8 @@ def biased_model_dir(tmp_path_factory):
 def test_stack_gives_the_python_layers_bits(model, dtype, tiny_model_dir, biased_model_dir):
     """Mixed steps (a prompt in chunks beside decodes, contexts over several blocks) through
     two runners of one model, one with the stack and one without: equal logits, bit for bit.
-    fp32 linears run on the C++ panels, bf16 ones on oneDNN (the biases of O and down added
-    after it, a rounding of their own)."""
+    fp32 linears run on the C++ panels, bf16 ones too where the CPU has AVX512-BF16, else on
+    oneDNN (the biases of O and down added after the matmul, a rounding of their own)."""
     model_dir = tiny_model_dir if model == "tiny" else biased_model_dir
     with_stack, without = runner_for(model_dir, dtype=dtype), runner_for(model_dir, dtype=dtype)
     if with_stack.model.model.native_stack is None:
