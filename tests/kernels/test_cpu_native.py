@@ -276,7 +276,7 @@ def test_bf16_panels_round_each_sum_as_torch_rounds_fp32_to_bf16(native):
         (1.0, 3 * 2**-10),  # under half an ulp
         (3e38, 3e38),  # overflow
         (float("nan"), 1.0),
-        (-1.5, -2**-9),  # under half an ulp, negative
+        (-1.5, -(2**-9)),  # under half an ulp, negative
     ]
     x = torch.tensor(pairs).bfloat16()
     weight = torch.ones(1, 2).bfloat16()
