@@ -261,6 +261,7 @@ struct RowsAhead {
   const char* keys[2 * kKeyChunk];  // this chunk's rows, then the next chunk's
   const char* values[2 * kKeyChunk];
   int64_t count = 0, bytes = 0;
+  int64_t lead = kAheadKeys;  // keys between the one computed and the one asked for
 
   template <typename T>
   void set(const T* const* k, const T* const* v, int64_t at, int64_t n, int64_t d) {
@@ -273,13 +274,13 @@ struct RowsAhead {
   }
   // While keys t0..t0+n of this chunk score.
   void ask_keys(int64_t t0, int64_t n) const {
-    for (int64_t t = t0 + kAheadKeys; t < std::min(t0 + kAheadKeys + n, count); ++t) {
+    for (int64_t t = t0 + lead; t < std::min(t0 + lead + n, count); ++t) {
       for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(keys[t] + at, _MM_HINT_T1);
     }
   }
   // While key t's value accumulates.
   void ask_value(int64_t t) const {
-    t += kAheadKeys;
+    t += lead;
     if (t >= count) return;
     for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(values[t] + at, _MM_HINT_T1);
   }
@@ -505,7 +506,7 @@ struct AttentionCall {
   T* out;
   float* partials;  // [slot][d + 2]: unnormalised output, running max, running sum
   const std::vector<CascadeGroup>* groups;
-  bool stream_ahead = false;  // K/V rows asked for kAheadKeys ahead (see attend_keys)
+  bool stream_ahead = false;  // K/V rows asked for a few at a time ahead (see attend_keys)
 
   int64_t q_len(int64_t seq) const { return starts[seq + 1] - starts[seq]; }
   int64_t first_position(int64_t seq) const { return lens[seq] - q_len(seq); }
@@ -580,19 +581,25 @@ struct KeyRange {
 // acc, max and sum over the keys of `range` for the rows `state` holds; the rows' last keys
 // are in state.last_key, range.table is the block table of every row's sequence. Every
 // chunk's rows are asked for before they are read. Where the call streams K/V ahead (it reads
-// enough to be bound by the stream) and the rows are fp32: kAheadKeys keys ahead, a few at a
-// time (RowsAhead), and an item's first kAheadKeys at once unless the item before asked for
-// them in its last chunk (`following`, the item this thread takes next: 32 decodes of 100 keys
-// 1.03-1.07x faster on Zen 4). Otherwise a chunk at a time: the first chunk's all at once
-// (many misses in flight instead of the few the computation's loads keep), the next while this
-// one is computed, before bf16/fp16 rows are widened. On a 2-core AVX-512 Xeon, 64 decodes of
-// 200 keys (9 query heads, 3 KV heads, head_dim 64) over 30 layers' caches took 0.72x the time
-// of demand loads alone with chunks asked for whole.
+// enough to be bound by the stream), a few rows at a time as the chunk computes (RowsAhead):
+// fp32 rows, read as they compute, kAheadKeys keys ahead; bf16/fp16 rows, read all at once
+// when the chunk is widened, a whole chunk ahead (the next chunk's key t while this chunk's
+// key t computes: bf16 decodes on Zen 4 1.04-1.18x faster than with the next chunk asked for
+// at once, prompts 2-4% slower). An item's first keys (kAheadKeys, or its whole first chunk
+// where it is widened) go out at once, unless the item before asked for them in its last
+// chunk (`following`, the item this thread takes next: 32 decodes of 100 keys 1.03-1.07x
+// faster on Zen 4).
+// Otherwise a chunk at a time: the first chunk's all at once (many misses in flight instead
+// of the few the computation's loads keep), the next while this one is computed, before
+// bf16/fp16 rows are widened. On a 2-core AVX-512 Xeon, 64 decodes of 200 keys (9 query
+// heads, 3 KV heads, head_dim 64) over 30 layers' caches took 0.72x the time of demand loads
+// alone with chunks asked for whole.
 template <typename T>
 void attend_keys(const AttentionCall<T>& call, const KeyRange& range, const KeyRange* following,
                  AttentionState& state) {
   const int64_t d = call.d, key_begin = range.key_begin, key_end = range.key_end;
-  const bool rolling = call.stream_ahead && std::is_same_v<T, float>;
+  const bool rolling = call.stream_ahead;
+  constexpr bool widened = !std::is_same_v<T, float>;
   // Rows see keys up to the smallest last key: chunks before it need no mask.
   const float first_hidden =
       *std::min_element(state.last_key, state.last_key + state.rows) + 1.f;
@@ -606,7 +613,7 @@ void attend_keys(const AttentionCall<T>& call, const KeyRange& range, const KeyR
   const int64_t first = locate(range, key_begin, 0);
   if (rolling) {  // less what the item before asked for
     const int64_t asked = std::min(state.next_asked, first);
-    const int64_t burst = std::max<int64_t>(0, std::min(first, kAheadKeys) - asked);
+    const int64_t burst = (widened ? first : std::min(first, kAheadKeys)) - asked;
     prefetch_rows(keys[0] + asked, values[0] + asked, burst, d);
   } else {
     prefetch_rows(keys[0], values[0], first, d);
@@ -618,15 +625,20 @@ void attend_keys(const AttentionCall<T>& call, const KeyRange& range, const KeyR
     const bool more = key0 + kKeyChunk < key_end;
     if (rolling) {
       state.ahead.set(keys[c], values[c], 0, in_chunk, d);
+      state.ahead.lead = widened ? in_chunk : kAheadKeys;
       if (more) {
         const int64_t next = locate(range, key0 + kKeyChunk, c ^ 1);
         state.ahead.set(keys[c ^ 1], values[c ^ 1], in_chunk, next, d);
       } else if (following != nullptr) {
-        // The following item's first keys, asked for while this last chunk computes: all of
-        // its first kAheadKeys where this chunk has as many keys to ask them from.
+        // The following item's first keys, asked for while this last chunk computes: as many
+        // as its first burst would ask where this chunk has keys enough to ask them from.
         const int64_t next = locate(*following, following->key_begin, c ^ 1);
         state.ahead.set(keys[c ^ 1], values[c ^ 1], in_chunk, next, d);
-        state.next_asked = in_chunk >= kAheadKeys ? std::min(kAheadKeys, next) : 0;
+        if (widened) {
+          state.next_asked = std::min(in_chunk, next);
+        } else {
+          state.next_asked = in_chunk >= kAheadKeys ? std::min(kAheadKeys, next) : 0;
+        }
       }
     } else if (more) {
       prefetch_rows(keys[c ^ 1], values[c ^ 1], locate(range, key0 + kKeyChunk, c ^ 1), d);
@@ -1362,7 +1374,8 @@ inline Vec round_to<at::BFloat16>(Vec v) {
   const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
   const __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(-65536)));
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_blend_ps(nan, rounded, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  const __m512 quiet_nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
+  return _mm512_mask_blend_ps(nan, rounded, quiet_nan);
 }
 
 inline void store_lanes(Vec v, at::BFloat16* out, int64_t left) {
