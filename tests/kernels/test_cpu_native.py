@@ -125,6 +125,15 @@ def test_paged_attention_low_precision_within_its_precision(native, dtype, scena
     close(got, contiguous_attention(case, 0.125), dtype)
 
 
+@pytest.mark.parametrize("head_dim", [32, 48, 128])
+def test_paged_attention_bf16_decodes_any_head_dim_within_precision(native, head_dim):
+    """bf16 decodes score by AVX512-BF16 dot products where head_dim is a multiple of 32 (the
+    scale applied after the sum), by widened rows elsewhere: both within bf16's precision."""
+    case = make_case(SCENARIOS["decode_spread"], 16, 6, 2, head_dim, dtype=torch.bfloat16)
+    got = native.paged_attention(*attention_args(case, 0.3))
+    close(got, contiguous_attention(case, 0.3), torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
 def test_store_kv_writes_what_the_reference_writes(native, dtype):
     kv_heads, head_dim, tokens = 3, 12, 7
