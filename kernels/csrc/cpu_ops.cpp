@@ -1534,35 +1534,46 @@ const T* data_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<T>() : nullptr;
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                         const std::optional<at::Tensor>& bias) {
-  check_panel_inputs(x, packed, kPanel, bias, out_features);
-  const int64_t panels = packed.size(0), in = packed.size(1), rows = x.size(0);
-  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
-              "out_features does not match the packed weight");
+// [rows, out_features] of x's dtype: every tile's sums of x by the panels of `packed`, handed
+// to finish(acc, panel, first_row, bias, out) with the bias (or null) and out as T pointers.
+template <int PV, int MaxRows, typename Finish>
+at::Tensor run_panels(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      const std::optional<at::Tensor>& bias, const Finish& finish) {
   const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0);
   auto out = at::empty({rows, out_features}, xc.options());
   if (rows == 0) return out;
   with_panel_type(xc, [&](auto type) {
     using T = decltype(type);
     const T* bias_data = data_or_null<T>(bias);
     T* o = out.data_ptr<T>();
-    for_each_tile<kPanelVecs, kLinearRows>(
-        xc.data_ptr<T>(), rows, in, packed.data_ptr<T>(), panels,
-        [&](const auto& acc, int64_t p, int64_t row) {
-          const int64_t col0 = p * kPanel;
-          for (int v = 0; v < kPanelVecs; ++v) {
-            const int64_t col = col0 + v * Vec::size();
-            const int64_t left = std::min<int64_t>(out_features - col, Vec::size());
-            if (left <= 0) break;
-            const Vec b = bias_lanes(bias_data, col, left);
-            for (int r = 0; r < tile_rows<decltype(acc)>; ++r) {
-              store_lanes(acc[r][v] + b, o + (row + r) * out_features + col, left);
-            }
-          }
-        });
+    for_each_tile<PV, MaxRows>(xc.data_ptr<T>(), rows, packed.size(1), packed.data_ptr<T>(),
+                               packed.size(0), [&](const auto& acc, int64_t p, int64_t row) {
+                                 finish(acc, p, row, bias_data, o);
+                               });
   });
   return out;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const std::optional<at::Tensor>& bias) {
+  check_panel_inputs(x, packed, kPanel, bias, out_features);
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK(out_features > (panels - 1) * kPanel && out_features <= panels * kPanel,
+              "out_features does not match the packed weight");
+  return run_panels<kPanelVecs, kLinearRows>(
+      x, packed, out_features, bias,
+      [&](const auto& acc, int64_t p, int64_t row, const auto* bias_data, auto* o) {
+        for (int v = 0; v < kPanelVecs; ++v) {
+          const int64_t col = p * kPanel + v * Vec::size();
+          const int64_t left = std::min<int64_t>(out_features - col, Vec::size());
+          if (left <= 0) break;
+          const Vec b = bias_lanes(bias_data, col, left);
+          for (int r = 0; r < tile_rows<decltype(acc)>; ++r) {
+            store_lanes(acc[r][v] + b, o + (row + r) * out_features + col, left);
+          }
+        }
+      });
 }
 
 // x [rows, in] by a pack_gated_weight weight of `intermediate` gate and up outputs (bias:
@@ -1573,41 +1584,33 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate,
                         const std::optional<at::Tensor>& bias, bool fused) {
   check_panel_inputs(x, packed, 2 * kGatedPanel, bias, 2 * intermediate);
-  const int64_t pairs = packed.size(0), in = packed.size(1), rows = x.size(0);
+  const int64_t pairs = packed.size(0);
   TORCH_CHECK(intermediate > (pairs - 1) * kGatedPanel && intermediate <= pairs * kGatedPanel,
               "intermediate does not match the packed weight");
-  const at::Tensor xc = x.contiguous();
   const int64_t out_features = fused ? intermediate : 2 * intermediate;
-  auto out = at::empty({rows, out_features}, xc.options());
-  if (rows == 0) return out;
-  with_panel_type(xc, [&](auto type) {
-    using T = decltype(type);
-    const T* bias_data = data_or_null<T>(bias);
-    T* o = out.data_ptr<T>();
-    for_each_tile<2 * kGatedVecs, kGatedRows>(
-        xc.data_ptr<T>(), rows, in, packed.data_ptr<T>(), pairs,
-        [&](const auto& acc, int64_t p, int64_t row) {
-          for (int v = 0; v < kGatedVecs; ++v) {
-            const int64_t col = p * kGatedPanel + v * Vec::size();
-            const int64_t left = std::min<int64_t>(intermediate - col, Vec::size());
-            if (left <= 0) break;
-            const Vec gate_bias = bias_lanes(bias_data, col, left);
-            const Vec up_bias = bias_lanes(bias_data, intermediate + col, left);
-            for (int r = 0; r < tile_rows<decltype(acc)>; ++r) {
-              const Vec gate = acc[r][v] + gate_bias, up = acc[r][kGatedVecs + v] + up_bias;
-              T* out_row = o + (row + r) * out_features;
-              if (fused) {
-                const Vec activated = round_to<T>(silu(round_to<T>(gate)));
-                store_lanes(activated * round_to<T>(up), out_row + col, left);
-              } else {
-                store_lanes(gate, out_row + col, left);
-                store_lanes(up, out_row + intermediate + col, left);
-              }
+  return run_panels<2 * kGatedVecs, kGatedRows>(
+      x, packed, out_features, bias,
+      [&](const auto& acc, int64_t p, int64_t row, const auto* bias_data, auto* o) {
+        using T = std::remove_pointer_t<decltype(o)>;
+        for (int v = 0; v < kGatedVecs; ++v) {
+          const int64_t col = p * kGatedPanel + v * Vec::size();
+          const int64_t left = std::min<int64_t>(intermediate - col, Vec::size());
+          if (left <= 0) break;
+          const Vec gate_bias = bias_lanes(bias_data, col, left);
+          const Vec up_bias = bias_lanes(bias_data, intermediate + col, left);
+          for (int r = 0; r < tile_rows<decltype(acc)>; ++r) {
+            const Vec gate = acc[r][v] + gate_bias, up = acc[r][kGatedVecs + v] + up_bias;
+            T* out_row = o + (row + r) * out_features;
+            if (fused) {
+              const Vec activated = round_to<T>(silu(round_to<T>(gate)));
+              store_lanes(activated * round_to<T>(up), out_row + col, left);
+            } else {
+              store_lanes(gate, out_row + col, left);
+              store_lanes(up, out_row + intermediate + col, left);
             }
           }
-        });
-  });
-  return out;
+        }
+      });
 }
 
 // ---------------------------------------------------------------------------------------------
