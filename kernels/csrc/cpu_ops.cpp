@@ -282,9 +282,10 @@ __attribute__((target("avx512bf16"))) void score_keys_bf16(const at::BFloat16* q
 }
 #endif
 
-// K/V rows asked for kAheadKeys keys before they are read (in this chunk, the next, or the
-// first of the thread's next item), a few lines at each step of the scores and of P V, so the
-// lines stream in while the chunk computes. A whole chunk asked for at once (512 lines at
+// K/V rows asked for `lead` keys before they are read (kAheadKeys for fp32 rows, a chunk for
+// rows widened a chunk at a time; in this chunk, the next, or the first of the thread's next
+// item), a few lines at each step of the scores and of P V, so the lines stream in while the
+// chunk computes. A whole chunk asked for at once (512 lines at
 // head_dim 64) stalls the core until most of them have arrived, and fetching and computing
 // then take turns: on a 2-core Zen 4, 64 decodes of 250 keys over 30 layers' caches took 1.2x
 // as long that way.
