@@ -9,7 +9,10 @@ torchaudio and torchcodec it pulls in do not load beside its CPU torch (torchaud
 libc10_cuda), and transformers imports them when installed, so vLLM's server fails on start:
 `VENV/bin/pip uninstall -y torchvision torchaudio torchcodec` fixes that. It runs at its
 best on 2 cores, not its defaults: `VLLM_CPU_OMP_THREADS_BIND` over every core and no core
-reserved. Both servers speak streaming HTTP; `lmserve bench` drives both. Results go to
+reserved. Both servers answer the same streamed OpenAI completions, greedy (`temperature` 0)
+and without log-probs (until 2026-11-25 lmserve answered DJL's jsonlines, whose tokens carry
+their log-probs, and vLLM sampled at its default temperature of 1); `lmserve bench`'s load
+generator drives both. Results go to
 benchmarks/results/vllm/<workload>-<dtype>/. `--workloads NAME ...` runs some of them only:
 
     .venv/bin/python -m lmserve.benchmarks.vllm_compare --vllm-python VENV/bin/python \
@@ -103,6 +106,7 @@ WORKLOADS = (
     Workload("chat4turns-in64-out32", 32, Lengths(64, 64), Lengths(32, 32), 8, turns=4),
 )
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+GREEDY = {"temperature": 0}  # OpenAI's default of 1 samples
 # vLLM runs from here, not from the repo root: on sys.path the root's kernels/ would pass for
 # Hugging Face's `kernels` package, which transformers probes for and imports.
 VLLM_CWD = tempfile.gettempdir()
@@ -284,12 +288,12 @@ def main() -> None:
         ):
             for (w, round_), requests in planned.items():
                 label = f", round {round_}" if options.rounds > 1 else ""
-                lmserve_run = measure(ours, "lmserve", requests, None, w.concurrency)
-                vllm_run = measure(peer, "openai", requests, "smollm2", w.concurrency)
+                lmserve_run = measure(ours, "openai", requests, None, w.concurrency, GREEDY)
+                vllm_run = measure(peer, "openai", requests, "smollm2", w.concurrency, GREEDY)
                 runs[w.name][f"lmserve (rolling, paged){label}"] = lmserve_run
                 runs[w.name][f"{vllm_label}{label}"] = vllm_run
                 if w.shares_prefixes:
-                    off_run = measure(off, "lmserve", requests, None, w.concurrency)
+                    off_run = measure(off, "openai", requests, None, w.concurrency, GREEDY)
                     runs[w.name][f"lmserve, prefix cache off{label}"] = off_run
         drafts = {
             None: "",

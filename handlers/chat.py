@@ -61,7 +61,9 @@ def parse_chat(payload: dict[str, Any], served_model: str | None = None) -> Chat
     top_logprobs = reader.integer("top_logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not logprobs:
         raise BadRequest("top_logprobs", "needs logprobs: true")
-    params = msgspec.structs.replace(sampling.params, top_logprobs=top_logprobs or 0)
+    params = msgspec.structs.replace(
+        sampling.params, top_logprobs=top_logprobs or 0, log_probs=logprobs
+    )
     return ChatRequest(
         parsed,
         params,

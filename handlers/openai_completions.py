@@ -57,6 +57,7 @@ def parse_completion(payload: dict[str, Any], served_model: str | None = None) -
         sampling.params,
         top_logprobs=logprobs or 0,
         prompt_logprobs=echo and logprobs is not None,
+        log_probs=logprobs is not None,
     )
     sampling = dataclasses.replace(sampling, params=params)
     return CompletionRequest(prompts, batched, sampling, echo, logprobs)

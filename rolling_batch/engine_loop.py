@@ -27,6 +27,7 @@ from . import protocol
 from .adapter_registry import AdapterRegistry, lora_off_answer
 from .engine_stats import EngineStats, PhaseTimer
 from .ipc import drain_router
+from .model_runner import StepLogits
 from .request import Request
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
@@ -36,6 +37,8 @@ log = logging.getLogger("lmserve.engine")
 
 _IDLE_POLL_MS = 100
 _PROFILE_LOG_S = 30.0  # while busy, a log line of where the steps' time went
+# The log-prob of a token picked without logits (argmax_only): asked for by no one.
+_NO_LOG_PROB = float("nan")
 
 
 class RollingEngine:
@@ -123,7 +126,7 @@ class RollingEngine:
             return
         timer.mark("forward")
         self.scheduler.record_prompt_scores(out, step_logits.prompt_scores)
-        sampled, failed = self._sample(step_logits.logits, out)
+        sampled, failed = self._sample(step_logits, out)
         timer.mark("sample")
         for request, error in failed:
             self._fail([request], 424, f"sampling failed: {error}")
@@ -137,16 +140,22 @@ class RollingEngine:
         timer.mark("send")
         self._profile(timer, len(out.requests))
 
-    def _sample(self, logits: torch.Tensor, out: SchedulerOutput):
+    def _sample(self, step_logits: StepLogits, out: SchedulerOutput):
         """({request: Sample, or [Sample] where it speculated}, [(request, error)])."""
+        logits = step_logits.logits
         plain, plain_rows, drafts, draft_rows = out.logit_rows()
         if drafts:
             logits, draft_logits = logits[plain_rows], logits[draft_rows]
-        try:
-            sampled, failed = self.sampler.sample(logits, plain)
-        except Exception as error:  # a sampler bug must not end the engine; rank 0 only
-            log.exception("sampling failed; failing its %d requests", len(plain))
-            sampled, failed = {}, [(request, error) for request in plain]
+        sampled, failed = {}, []
+        if plain:
+            try:
+                sampled, failed = self.sampler.sample(logits, plain)
+            except Exception as error:  # a sampler bug must not end the engine; rank 0 only
+                log.exception("sampling failed; failing its %d requests", len(plain))
+                failed = [(request, error) for request in plain]
+        # Picked by the model without logits: their requests report no log-probs.
+        for request, token in zip(out.argmax_requests, step_logits.greedy_tokens):
+            sampled[request] = Sample(token, _NO_LOG_PROB)
         if drafts:
             try:
                 sampled.update(self.sampler.verify(draft_logits, drafts))

@@ -33,6 +33,7 @@ class StepLogits(NamedTuple):
     # one row after each drafted token too)
     logits: torch.Tensor
     prompt_scores: dict[int, PromptScores]  # by chunk index, for chunks that ask
+    greedy_tokens: tuple[int, ...] = ()  # the argmax_only chunks' tokens, in chunk order
 
 
 class ModelRunner:
@@ -46,6 +47,11 @@ class ModelRunner:
             cpu_native.native_ops()  # built (first start on a machine) or loaded now, not mid-step
 
     @property
+    def argmax_head(self) -> bool:
+        """Whether steps may pick greedy tokens without logits (`argmax_only` chunks)."""
+        return getattr(self.model, "greedy_head", None) is not None
+
+    @property
     def num_blocks(self) -> int:
         return self.kv_caches[0][0].shape[0]
 
@@ -57,7 +63,7 @@ class ModelRunner:
     def execute_step(self, chunks: list[SequenceChunk]) -> StepLogits:
         """The logits, and the prompt log-probs of the chunks that ask (every rank computes
         them: the LM head's gather is a collective)."""
-        input_ids, positions, meta, logits_rows = self._prepare(chunks)
+        input_ids, positions, meta, logits_rows, argmax_rows = self._prepare(chunks)
         if self.lora is not None:
             self.lora.prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -69,7 +75,10 @@ class ModelRunner:
                 rows = hidden[start : start + len(chunk.score_targets)]
                 scores[index] = self._score(rows, chunk.score_targets, chunk.score_top)
             first_row += len(chunk.token_ids)
-        return StepLogits(self.model.compute_logits(hidden[logits_rows]), scores)
+        greedy = ()
+        if len(argmax_rows):
+            greedy = tuple(self.model.greedy_tokens(hidden[argmax_rows]).tolist())
+        return StepLogits(self.model.compute_logits(hidden[logits_rows]), scores, greedy)
 
     def _score(self, hidden: torch.Tensor, targets: tuple[int, ...], top: int) -> PromptScores:
         log_probs: list[float] = []
@@ -91,6 +100,7 @@ class ModelRunner:
         q_starts = [0]
         seq_lens: list[int] = []
         logits_rows: list[int] = []
+        argmax_rows: list[int] = []
         for chunk in chunks:
             for offset, token in enumerate(chunk.token_ids):
                 position = chunk.num_computed + offset
@@ -102,6 +112,7 @@ class ModelRunner:
             q_starts.append(len(token_ids))
             seq_lens.append(chunk.num_computed + len(chunk.token_ids))
             logits_rows += range(len(token_ids) - chunk.num_logits, len(token_ids))
+            argmax_rows += range(len(token_ids) - chunk.num_argmax, len(token_ids))
         width = max(len(chunk.block_ids) for chunk in chunks)
         tables = [list(chunk.block_ids) + [0] * (width - len(chunk.block_ids)) for chunk in chunks]
 
@@ -123,4 +134,4 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             reference_plan=plan,
         )
-        return tensor(token_ids), tensor(positions), meta, tensor(logits_rows)
+        return tensor(token_ids), tensor(positions), meta, tensor(logits_rows), tensor(argmax_rows)

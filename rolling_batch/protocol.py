@@ -62,6 +62,10 @@ class GenerationParams(msgspec.Struct, frozen=True):
     # computes them; the same `top_logprobs` alternatives per position).
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    # Whether the answer shows each generated token's log-prob (DJL's and TGI's token
+    # details always do; OpenAI's only when `logprobs` asks). A greedy request that shows none
+    # may take the greedy token without the fp32 logits (rolling_batch/layers/greedy_head.py).
+    log_probs: bool = True
     # The LoRA adapter (option.enable_lora) that modifies the model for this request; None:
     # the base model. The engine refuses a name it does not know.
     adapter: str | None = None

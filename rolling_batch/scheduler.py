@@ -44,11 +44,16 @@ class SchedulerOutput:
             if chunk.num_drafts:
                 drafts.append((request, chunk.token_ids[-chunk.num_drafts :]))
                 draft_rows += range(row, row + chunk.num_logits)
-            elif chunk.needs_logits:
+            elif chunk.num_logits:
                 plain.append(request)
                 plain_rows.append(row)
             row += chunk.num_logits
         return plain, plain_rows, drafts, draft_rows
+
+    @property
+    def argmax_requests(self) -> list[Request]:
+        """The requests whose greedy token the step picks without logits, in chunk order."""
+        return [r for r, c in zip(self.requests, self.chunks) if c.num_argmax]
 
 
 class Scheduler:
@@ -60,9 +65,13 @@ class Scheduler:
         max_model_len: int,
         max_loras: int | None = None,
         drafter: NgramDrafter | None = None,
+        argmax_head: bool = False,
     ):
         self.blocks = block_manager
         self.drafter = drafter  # speculative decoding; None: off
+        # The model picks greedy tokens without logits (ModelRunner.argmax_head): requests
+        # that need no more get `argmax_only` chunks.
+        self.argmax_head = argmax_head
         self.max_running = max_running
         self.max_loras = max_loras  # distinct LoRA adapters in the running batch, at most
         self.max_prefill_tokens = max_prefill_tokens
@@ -166,6 +175,7 @@ class Scheduler:
                 token_ids=chunk.token_ids + draft,
                 block_ids=tuple(request.block_ids),
                 num_drafts=len(draft),
+                argmax_only=False,  # the draft's check reads the logits
             )
 
     def _draft_room(self, request: Request) -> int:
@@ -227,6 +237,7 @@ class Scheduler:
                 needs_logits,
                 **_prompt_scoring(request, start, num_new),
                 adapter=request.params.adapter,
+                argmax_only=needs_logits and self.argmax_head and _argmax_only(request.params),
             )
         )
 
@@ -313,6 +324,17 @@ def _group_by_adapter(out: SchedulerOutput) -> None:
     order = sorted(range(len(out.chunks)), key=lambda i: out.chunks[i].adapter or "")
     out.requests = [out.requests[i] for i in order]
     out.chunks = [out.chunks[i] for i in order]
+
+
+def _argmax_only(params) -> bool:
+    """Whether the greedy token alone serves a request: no sampling, no penalty on the logits,
+    no log-probs to report (the sampler would read the logits for any of them)."""
+    return (
+        not params.do_sample
+        and params.repetition_penalty == 1.0
+        and params.top_logprobs == 0
+        and not params.log_probs
+    )
 
 
 def _prompt_scoring(request: Request, start: int, num_new: int) -> dict:

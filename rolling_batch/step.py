@@ -17,7 +17,11 @@ class SequenceChunk:
     their log-probs, with the `score_top` most likely alternatives at each when above 0.
 
     A speculating decode (speculation.py) ends with `num_drafts` drafted tokens after its
-    newest one; the step returns the logits after each of the last `num_drafts` + 1 tokens."""
+    newest one; the step returns the logits after each of the last `num_drafts` + 1 tokens.
+
+    `argmax_only` (with `needs_logits`): the step returns the greedy token after the chunk's
+    last token instead of its logits (the model's GreedyHead: a greedy request without
+    log-probs, penalties or drafts)."""
 
     token_ids: tuple[int, ...]
     num_computed: int
@@ -28,10 +32,17 @@ class SequenceChunk:
     score_top: int = 0
     adapter: str | None = None  # the LoRA adapter of the sequence; None: the base model
     num_drafts: int = 0
+    argmax_only: bool = False
 
     @property
     def num_logits(self) -> int:
-        return self.num_drafts + 1 if self.needs_logits else 0
+        """Rows of the step's logits after this chunk's tokens."""
+        return self.num_drafts + 1 if self.needs_logits and not self.argmax_only else 0
+
+    @property
+    def num_argmax(self) -> int:
+        """Greedy tokens the step picks after this chunk's tokens without logits."""
+        return 1 if self.needs_logits and self.argmax_only else 0
 
 
 class Sample(NamedTuple):

@@ -56,6 +56,7 @@ def main() -> None:
         max_model_len=max_model_len,
         max_loras=config.max_loras if config.enable_lora else None,
         drafter=NgramDrafter(config.speculative_length) if config.speculative_draft_model else None,
+        argmax_head=runner.argmax_head,
     )
     # Before the ready state: a tokenizer that fails to load here must fail start-up.
     eos = eos_token_ids(runtime.model_path, trust_remote_code=config.trust_remote_code)

@@ -1234,6 +1234,127 @@ std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The greedy choice of an fp32 LM head without its fp32 logits. `approx` [rows, vocab] are the
+// bf16 panels' logits (hidden and weight rounded to bf16, the sums rounded to bf16), at half
+// the multiply-add cost of fp32 where the CPU has AVX512-BF16. Each is within
+//   bound_j = kDotSlack * |h| * |w_j| + kRoundSlack * |approx_j|
+// of the fp32 logit packed_linear computes (each factor rounded to bf16 is off by at most 2^-8
+// of itself, each fp32 sum of `in` terms by in * 2^-24 of the sum of |terms|, and by
+// Cauchy-Schwarz sum |h_i w_ji| <= |h| |w_j|; the sum's own rounding to bf16 is at most 2^-9
+// of it; both slacks hold a margin for the rounding of this arithmetic). So no token whose
+// approx_j + bound_j falls below the largest approx_k - bound_k can be the argmax: the rest
+// (a few tokens a row for a trained model's peaked logits) are computed exactly as
+// packed_linear computes them, one fused multiply-add chain over the inputs in order, and the
+// first of the maxima wins, as greedy_pick picks: the same token, bit for bit the same logits
+// compared. -1 for a row whose hidden or approximations are not all finite (or whose chosen
+// logit is not): its caller computes the fp32 logits.
+
+constexpr float kDotSlack = 0.0081f;    // 2^-7 + 2^-16 + 2 * 576 * 2^-24 = 0.00790, with margin
+constexpr float kRoundSlack = 0.0040f;  // 2^-9 / (1 - 2^-9) = 0.00196, with margin
+
+// The exact fp32 logit of token `w` (a row of the LM head): the panels' chain of fused
+// multiply-adds from zero over the inputs in order.
+inline float exact_logit(const float* h, const float* w, int64_t in) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < in; ++i) sum = std::fma(h[i], w[i], sum);
+  return sum;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The bf16 approximations a[0..16) as fp32, the lanes outside `lanes` zero (bf16 is fp32's
+// upper half).
+inline __m512 load_bf16(const at::BFloat16* a, __mmask16 lanes) {
+  const __m256i halves = _mm256_maskz_loadu_epi16(lanes, a);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+// bound_j for 16 tokens: `dot_scale` is kDotSlack * |h|.
+inline __m512 bounds(__m512 approx, const float* norms, __mmask16 lanes, __m512 dot_scale) {
+  const __m512 round = _mm512_mul_ps(_mm512_abs_ps(approx), _mm512_set1_ps(kRoundSlack));
+  return _mm512_add_ps(_mm512_mul_ps(dot_scale, _mm512_maskz_loadu_ps(lanes, norms)), round);
+}
+
+inline __mmask16 lanes_from(int64_t j, int64_t vocab) {
+  const int64_t left = std::min<int64_t>(16, vocab - j);
+  return static_cast<__mmask16>((1u << left) - 1);
+}
+
+int64_t greedy_head_row(const float* h, const at::BFloat16* approx, const float* weight,
+                        const float* norms, int64_t in, int64_t vocab) {
+  double squares = 0.0;
+  for (int64_t i = 0; i < in; ++i) squares += static_cast<double>(h[i]) * h[i];
+  // |h| rounded up, so the bound only grows
+  const float norm = std::nextafter(static_cast<float>(std::sqrt(squares)),
+                                    std::numeric_limits<float>::infinity());
+  if (!std::isfinite(norm)) return -1;
+  const __m512 dot_scale = _mm512_set1_ps(kDotSlack * norm);
+  // The largest approx - bound; a non-finite approximation sends the row to the fp32 logits.
+  __m512 floor = _mm512_set1_ps(kNegInf);
+  __mmask16 odd = 0;
+  for (int64_t j = 0; j < vocab; j += 16) {
+    const __mmask16 lanes = lanes_from(j, vocab);
+    const __m512 a = load_bf16(approx + j, lanes);
+    odd |= _mm512_fpclass_ps_mask(a, 0x99);  // NaN or infinity
+    const __m512 low = _mm512_sub_ps(a, bounds(a, norms + j, lanes, dot_scale));
+    floor = _mm512_mask_max_ps(floor, lanes, floor, low);
+  }
+  if (odd != 0) return -1;
+  float threshold = _mm512_reduce_max_ps(floor);
+  // the subtraction above may have rounded up by half an ulp
+  threshold -= std::abs(threshold) * 0x1p-20f;
+  const __m512 lowest = _mm512_set1_ps(threshold);
+  int64_t best = -1;
+  float best_logit = 0.f;
+  for (int64_t j = 0; j < vocab; j += 16) {
+    const __mmask16 lanes = lanes_from(j, vocab);
+    const __m512 a = load_bf16(approx + j, lanes);
+    const __m512 reach = _mm512_add_ps(a, bounds(a, norms + j, lanes, dot_scale));
+    __mmask16 m = _mm512_mask_cmp_ps_mask(lanes, reach, lowest, _CMP_GE_OQ);
+    for (; m != 0; m &= m - 1) {
+      const int64_t token = j + __builtin_ctz(m);
+      const float logit = exact_logit(h, weight + token * in, in);
+      if (!std::isfinite(logit)) return -1;
+      if (best < 0 || logit > best_logit) best = token, best_logit = logit;
+    }
+  }
+  return best;
+}
+#endif
+
+// hidden [rows, in] fp32, approx [rows, vocab] bf16 (packed_linear of both in bf16), weight
+// [vocab, in] fp32 as the LM head's fp32 panels were packed from, norms [vocab] fp32 each
+// weight row's L2 norm rounded up: the greedy token of each row, or -1 (see above).
+at::Tensor greedy_head_pick(const at::Tensor& hidden, const at::Tensor& approx,
+                            const at::Tensor& weight, const at::Tensor& norms) {
+  TORCH_CHECK(bf16_dots(), "greedy_head_pick needs AVX512-BF16 (bf16_panels() is false here)");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
+              "hidden must be contiguous fp32 [rows, in]");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat &&
+                  weight.is_contiguous() && weight.size(1) == hidden.size(1),
+              "weight must be contiguous fp32 [vocab, in]");
+  const int64_t rows = hidden.size(0), in = hidden.size(1), vocab = weight.size(0);
+  TORCH_CHECK(approx.scalar_type() == at::kBFloat16 && approx.is_contiguous() &&
+                  approx.dim() == 2 && approx.size(0) == rows && approx.size(1) == vocab,
+              "approx must be contiguous bf16 [rows, vocab]");
+  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.dim() == 1 &&
+                  norms.size(0) == vocab,
+              "norms must be contiguous fp32 [vocab]");
+  auto tokens = at::empty({rows}, hidden.options().dtype(at::kLong));
+#if defined(CPU_CAPABILITY_AVX512)
+  const float* h = hidden.data_ptr<float>();
+  const at::BFloat16* a = approx.data_ptr<at::BFloat16>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      out[r] = greedy_head_row(h + r * in, a + r * vocab, weight.data_ptr<float>(),
+                               norms.data_ptr<float>(), in, vocab);
+    }
+  });
+#endif
+  return tokens;
+}
+
+// ---------------------------------------------------------------------------------------------
 // fp32 linear on a weight packed once into panels of kPanel outputs, each panel [in][kPanel]
 // contiguous (the last one zero-padded). A tile of up to kLinearRows rows of x by one panel
 // keeps its sums in registers, so every weight vector loaded serves all the tile's rows. Few
@@ -1933,6 +2054,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("greedy_pick", &greedy_pick);
+  m.def("greedy_head_pick", &greedy_head_pick);
   m.def("pack_linear_weight", &pack_linear_weight);
   m.def("packed_linear", &packed_linear);
   m.def("pack_gated_weight", &pack_gated_weight);

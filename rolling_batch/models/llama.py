@@ -15,6 +15,7 @@ from lmserve.kernels import cpu_native
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.cpu_matmul import DenseWeight, NativeGatedWeight, PackableLinear, try_pack
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding, take_int8
+from ..layers.greedy_head import GreedyHead
 from ..layers.linear import MergedColumnLinear, RowLinear
 from ..layers.lora import LoraSlots, LoraStep
 from ..layers.norm_and_rotary import RMSNorm, RotaryEmbedding
@@ -138,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, group, max_positions)
         self.tied = getattr(config, "tie_word_embeddings", False)
         self.lm_head_packed: DenseWeight | QuantizedWeight | None = None
+        self.greedy_head: GreedyHead | None = None  # fp32 on CPUs with AVX512-BF16, TP=1
         if not self.tied:
             self.lm_head = ParallelLMHead(self.model.embed_tokens, config.hidden_size)
 
@@ -156,6 +158,16 @@ class LlamaForCausalLM(nn.Module):
             local = nn.functional.linear(hidden, self._lm_head_weight())
         return self.model.embed_tokens.gather_logits(local).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy token, the argmax of its fp32 logits, through the GreedyHead; the
+        fp32 logits only for the rows it leaves (not finite)."""
+        tokens = self.greedy_head(hidden)
+        left = (tokens < 0).nonzero()[:, 0]
+        if len(left):
+            logits = self.compute_logits(hidden[left])
+            tokens[left] = cpu_native.ops_for(logits).greedy_pick(logits)[0]
+        return tokens
+
     def _lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
 
@@ -172,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
                 module.pack(quantize)
         if quantize is None:
             self.lm_head_packed = try_pack(self._lm_head_weight().data)
+            if self.model.embed_tokens.group.world_size == 1:  # else each rank holds a slice
+                self.greedy_head = GreedyHead.try_build(self._lm_head_weight().data)
             self.model.native_stack = native_stack(self.model)
             return
         embedding = self.model.embed_tokens.quantize()

@@ -190,3 +190,18 @@ def test_openai_model_names_an_adapter_only_with_lora_on():
     assert parse_chat({**chat, "model": "base"}, served_model="base").params.adapter is None
     completion = {"model": "sql", "prompt": "Hi"}
     assert parse_completion(completion, served_model="base").sampling.params.adapter == "sql"
+
+
+def test_only_openai_requests_that_ask_for_logprobs_get_them_computed():
+    """The engine may pick a greedy token without its log-prob where the answer shows none:
+    OpenAI's without `logprobs`; DJL's and TGI's token details always show them."""
+    from lmserve.handlers.chat import parse_chat
+    from lmserve.handlers.openai_completions import parse_completion
+
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0}
+    assert parse_chat(chat).params.log_probs is False
+    assert parse_chat({**chat, "logprobs": True}).params.log_probs is True
+    completion = {"prompt": "Hi", "temperature": 0}
+    assert parse_completion(completion).sampling.params.log_probs is False
+    assert parse_completion({**completion, "logprobs": 0}).sampling.params.log_probs is True
+    assert parse({"inputs": "Hi"}).params.log_probs is True

@@ -8,6 +8,7 @@ engine goes on serving."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 
@@ -48,7 +49,9 @@ def fake_execute(chunks) -> StepLogits:
             log_probs = torch.log_softmax(fake_logits(rows), dim=-1)
             targets = torch.tensor(chunk.score_targets)
             scores[index] = PromptScores(log_probs.gather(1, targets[:, None])[:, 0].tolist(), None)
-    return StepLogits(fake_logits(last_tokens), scores)
+    # argmax_only chunks: the greedy token alone, as a model's GreedyHead picks it
+    greedy = tuple((c.token_ids[-1] + 1) % VOCAB for c in chunks if c.num_argmax)
+    return StepLogits(fake_logits(last_tokens), scores, greedy)
 
 
 @pytest.fixture
@@ -70,8 +73,10 @@ def sockets():
         socket.close(linger=0)
 
 
-def make_engine(router, drafter=None) -> RollingEngine:
-    scheduler = Scheduler(BlockManager(64, 16), 8, 256, 512, drafter=drafter)
+def make_engine(router, drafter=None, argmax_head=False) -> RollingEngine:
+    scheduler = Scheduler(
+        BlockManager(64, 16), 8, 256, 512, drafter=drafter, argmax_head=argmax_head
+    )
     return RollingEngine(fake_execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100)
 
 
@@ -126,6 +131,29 @@ def test_every_request_gets_its_tokens_and_one_final_event(sockets):
     # One frame per step for each worker: 4 steps for a and b together, 5 for c.
     assert [len(frame) for frame in frames[first]] == [2, 2, 2, 1]
     assert [len(frame) for frame in frames[second]] == [1] * 5
+    engine.scheduler.check_invariants()
+
+
+def test_requests_without_log_probs_take_tokens_picked_without_logits(sockets):
+    """Beside requests whose logits are sampled, in the same steps: the same greedy tokens,
+    and no log-prob where none was asked for."""
+    router, connect = sockets
+    engine = make_engine(router, argmax_head=True)
+    dealer = connect()
+    submit(dealer, "bare", [5, 6], 4, log_probs=False)
+    submit(dealer, "detailed", [40], 3)
+    wait_for_messages(router)
+    run_until_idle(engine)
+    events = receive_all(dealer)
+    tokens = {
+        name: [t for e in events if e.id == name for t in e.token_ids]
+        for name in ("bare", "detailed")
+    }
+    assert tokens == {"bare": [7, 8, 9, 10], "detailed": [41, 42, 43]}
+    bare = [p for e in events if e.id == "bare" for p in e.log_probs]
+    detailed = [p for e in events if e.id == "detailed" for p in e.log_probs]
+    assert len(bare) == 4 and all(math.isnan(p) for p in bare)
+    assert len(detailed) == 3 and all(p <= 0.0 for p in detailed)
     engine.scheduler.check_invariants()
 
 

@@ -1,0 +1,141 @@
+"""The greedy token without the fp32 logits (layers/greedy_head.py): always the fp32 logits'
+argmax (the first of equal maxima), and only for requests that need nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmserve.kernels import cpu_native
+from lmserve.rolling_batch.block_manager import BlockManager
+from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
+from lmserve.rolling_batch.layers.cpu_matmul import NativeLinearWeight
+from lmserve.rolling_batch.layers.greedy_head import GreedyHead
+from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.protocol import GenerationParams
+from lmserve.rolling_batch.request import Request
+from lmserve.rolling_batch.scheduler import Scheduler
+from lmserve.rolling_batch.step import SequenceChunk
+
+from .test_model_logits import PROMPTS
+
+
+def bf16_panels():
+    native = cpu_native.native_ops()
+    if native is None or not native.bf16_panels():
+        pytest.skip("the greedy head needs AVX512-BF16 (bf16 panels)")
+    return native
+
+
+def fp32_argmax(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """What the sampler picks from the fp32 panels' logits."""
+    native = bf16_panels()
+    logits = NativeLinearWeight(weight, native)(hidden)
+    return native.greedy_pick(logits)[0]
+
+
+def test_picks_the_fp32_argmax_on_flat_and_peaked_logits():
+    torch.manual_seed(0)
+    weight = torch.randn(1000, 64) * 0.1  # a vocabulary of 62.5 vectors: the tail is masked
+    head = GreedyHead(weight, bf16_panels())
+    for scale in (0.01, 1.0, 30.0, 1000.0):  # near-uniform logits to one far ahead
+        hidden = torch.randn(37, 64) * scale
+        assert torch.equal(head(hidden), fp32_argmax(weight, hidden))
+
+
+def test_equal_and_nearly_equal_maxima_go_as_the_fp32_logits_say():
+    torch.manual_seed(1)
+    weight = torch.randn(512, 64) * 0.05
+    top = torch.randn(64)
+    weight[300] = top
+    weight[40] = top  # the same logit: the first one wins
+    weight[450] = top
+    weight[450, 7] = torch.nextafter(top[7], torch.tensor(float("inf")))  # one ulp apart
+    hidden = torch.stack([top, -top, top * 1e-3])
+    head = GreedyHead(weight, bf16_panels())
+    picked = head(hidden)
+    assert torch.equal(picked, fp32_argmax(weight, hidden))
+    assert picked[0].item() in (40, 450)  # which of them the fp32 sums rank first
+
+
+def test_rows_that_are_not_finite_are_left_to_the_fp32_logits():
+    torch.manual_seed(2)
+    weight = torch.randn(256, 32)
+    head = GreedyHead(weight, bf16_panels())
+    hidden = torch.randn(3, 32)
+    hidden[1, 4] = float("nan")
+    hidden[2, 0] = float("inf")
+    picked = head(hidden)
+    assert picked[1] == -1 and picked[2] == -1
+    assert picked[0] == fp32_argmax(weight, hidden[:1])[0]
+
+
+def test_only_finite_fp32_heads_on_cpu_get_one():
+    bf16_panels()
+    assert GreedyHead.try_build(torch.randn(64, 16)) is not None
+    assert GreedyHead.try_build(torch.randn(64, 16, dtype=torch.bfloat16)) is None
+    assert GreedyHead.try_build(torch.randn(64, 15)) is None  # bf16 panels pair the inputs
+    broken = torch.randn(64, 16)
+    broken[3, 3] = float("inf")
+    assert GreedyHead.try_build(broken) is None
+
+
+@pytest.mark.parametrize("name", ["tiny", "smollm2"])
+def test_argmax_only_chunks_give_the_argmax_of_the_logits_beside_other_chunks(
+    name, tiny_model_dir, smollm2_dir
+):
+    """One step: a prompt and a decode whose logits are asked for, and the same two as
+    argmax_only chunks of other sequences: the logits keep their rows, the tokens theirs."""
+    bf16_panels()
+    model_dir = tiny_model_dir if name == "tiny" else smollm2_dir
+    options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=8, max_num_seqs=4)
+    runner, _, _ = build_runner(model_dir, options, TensorParallelGroup())
+    assert runner.argmax_head
+    vocab = runner.model.config.vocab_size
+    prompt, decode = [t % vocab for t in PROMPTS["b"]], [t % vocab for t in PROMPTS["a"]]
+    tables = [tuple(range(i * 8, i * 8 + 8)) for i in range(4)]
+    runner.execute([SequenceChunk(tuple(decode), 0, tables[1], False)])
+    runner.execute([SequenceChunk(tuple(decode), 0, tables[3], False)])
+    step = runner.execute_step(
+        [
+            SequenceChunk(tuple(prompt), 0, tables[0], True),
+            SequenceChunk((7,), len(decode), tables[1], True, argmax_only=True),
+            SequenceChunk(tuple(prompt), 0, tables[2], True, argmax_only=True),
+            SequenceChunk((7,), len(decode), tables[3], True),
+        ]
+    )
+    assert step.logits.shape == (2, vocab)  # rows for the two that asked, in chunk order
+    expected = step.logits.argmax(dim=-1).tolist()
+    assert list(step.greedy_tokens) == [expected[1], expected[0]]
+
+
+def test_rows_left_by_the_head_get_the_argmax_of_their_fp32_logits(smollm2_dir):
+    bf16_panels()
+    options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=8, max_num_seqs=2)
+    model = build_runner(smollm2_dir, options, TensorParallelGroup())[0].model
+    hidden = torch.randn(3, model.config.hidden_size)
+    hidden[1, 0] = float("nan")
+    logits = model.compute_logits(hidden)
+    expected = cpu_native.native_ops().greedy_pick(logits)[0]
+    assert torch.equal(model.greedy_tokens(hidden), expected)
+
+
+def test_the_scheduler_asks_for_the_token_alone_only_where_nothing_else_is_read():
+    params = {
+        "plain": {"log_probs": False},
+        "reports log-probs": {},  # DJL's and TGI's token details
+        "sampled": {"log_probs": False, "do_sample": True},
+        "penalized": {"log_probs": False, "repetition_penalty": 1.2},
+        "alternatives": {"log_probs": False, "top_logprobs": 2},
+    }
+    for argmax_head in (True, False):
+        scheduler = Scheduler(BlockManager(64, 4), 8, 64, 32, argmax_head=argmax_head)
+        for name, given in params.items():
+            scheduler.add(Request(name, [5, 6, 7], GenerationParams(4, **given), 0.0))
+        out = scheduler.schedule()
+        flags = {r.request_id: c.argmax_only for r, c in zip(out.requests, out.chunks)}
+        assert flags == {name: argmax_head and name == "plain" for name in params}
+        assert [r.request_id for r in out.argmax_requests] == (["plain"] if argmax_head else [])
+        plain, rows, _, _ = out.logit_rows()
+        assert [r.request_id for r in plain] == [n for n in params if not flags[n]]
+        assert rows == list(range(len(plain)))
