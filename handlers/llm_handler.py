@@ -10,6 +10,7 @@ promise that every accepted request ends in exactly one answer, is the Predictor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import msgspec
@@ -72,6 +73,7 @@ class LLMHandler:
             return self._formatted(parsed, request)
         stream_kind = self._stream_kind(parsed, request.accept)
         if stream_kind is None:
+            parsed = _log_probs_as_shown(parsed)
             answer = self.predictor.predict(parsed, request.request_id, request.client_gone)
             return HandlerResponse(json=answer)
         fmt = StreamFormat(
@@ -163,6 +165,16 @@ class LLMHandler:
         if not parsed.stream:
             return None
         return "sse" if self.config.tgi_compat or _SSE in accept else "jsonlines"
+
+
+def _log_probs_as_shown(parsed: TextRequest) -> TextRequest:
+    """One JSON answer shows its tokens' log-probs only in `details` (where best_of's ranking
+    reads them too): without, the engine need not compute them (GenerationParams.log_probs).
+    Streams and formatters show them in every token."""
+    if parsed.details or parsed.best_of > 1:
+        return parsed
+    params = msgspec.structs.replace(parsed.params, log_probs=False)
+    return dataclasses.replace(parsed, params=params)
 
 
 def _djl_parameters(parsed: TextRequest) -> dict:

@@ -13,7 +13,13 @@ from torch import nn
 from lmserve.kernels import cpu_native
 
 from ..layers.attention import Attention, AttentionMetadata
-from ..layers.cpu_matmul import DenseWeight, NativeGatedWeight, PackableLinear, try_pack
+from ..layers.cpu_matmul import (
+    DenseWeight,
+    NativeGatedWeight,
+    NativeLinearWeight,
+    PackableLinear,
+    try_pack,
+)
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding, take_int8
 from ..layers.greedy_head import GreedyHead
 from ..layers.linear import MergedColumnLinear, RowLinear
@@ -184,7 +190,9 @@ class LlamaForCausalLM(nn.Module):
                 module.pack(quantize)
         if quantize is None:
             self.lm_head_packed = try_pack(self._lm_head_weight().data)
-            if self.model.embed_tokens.group.world_size == 1:  # else each rank holds a slice
+            # Its exact logits are the fp32 panels' bits; with TP each rank holds a slice.
+            whole = self.model.embed_tokens.group.world_size == 1
+            if isinstance(self.lm_head_packed, NativeLinearWeight) and whole:
                 self.greedy_head = GreedyHead.try_build(self._lm_head_weight().data)
             self.model.native_stack = native_stack(self.model)
             return

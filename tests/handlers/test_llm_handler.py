@@ -204,6 +204,21 @@ def test_a_request_without_stop_sequences_is_not_streamed_from_the_engine(smollm
     assert message.stream is False and engine.finished[message.id] == [False]
 
 
+def test_log_probs_are_computed_only_for_answers_that_show_them(smollm2_dir, tokenizer):
+    """A JSON answer without details shows none (the engine may pick greedy tokens without
+    them); details, best_of's ranking and streamed tokens need them."""
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    payloads = [
+        {"inputs": "Hi"},
+        {"inputs": "Hi", "parameters": {"details": True}},
+        {"inputs": "Hi", "parameters": {"best_of": 2, "do_sample": True}},
+        {"inputs": "Hi", "stream": True},
+    ]
+    for payload in payloads:
+        call(handler, payload)
+    assert [m.params.log_probs for m in engine.messages] == [False, True, True, True, True]
+
+
 def test_jsonlines_stream_token_by_token(smollm2_dir, tokenizer):
     handler, engine = make_handler(smollm2_dir, tokenizer)
     answer = call(handler, {"inputs": "Hi", "stream": True, "parameters": {"max_new_tokens": 40}})
