@@ -1237,20 +1237,24 @@ std::tuple<at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits) {
 // The greedy choice of an fp32 LM head without its fp32 logits. `approx` [rows, vocab] are the
 // bf16 panels' logits (hidden and weight rounded to bf16, the sums rounded to bf16), at half
 // the multiply-add cost of fp32 where the CPU has AVX512-BF16. Each is within
-//   bound_j = kDotSlack * |h| * |w_j| + kRoundSlack * |approx_j|
-// of the fp32 logit packed_linear computes (each factor rounded to bf16 is off by at most 2^-8
-// of itself, each fp32 sum of `in` terms by in * 2^-24 of the sum of |terms|, and by
-// Cauchy-Schwarz sum |h_i w_ji| <= |h| |w_j|; the sum's own rounding to bf16 is at most 2^-9
-// of it; both slacks hold a margin for the rounding of this arithmetic). So no token whose
-// approx_j + bound_j falls below the largest approx_k - bound_k can be the argmax: the rest
-// (a few tokens a row for a trained model's peaked logits) are computed exactly as
+//   bound_j = dot_slack(in) * |h| * |w_j| + kRoundSlack * |approx_j|
+// of the fp32 logit packed_linear computes: each factor rounded to bf16 is off by at most 2^-8
+// of itself (a product by 2^-7 + 2^-16), each of the two fp32 sums of `in` terms (the bf16 and
+// the fp32 one) by in * 2^-24 of the sum of |terms|, and by Cauchy-Schwarz sum |h_i w_ji| <=
+// |h| |w_j|; the sum's own rounding to bf16 is at most 2^-8 / (1 - 2^-8) of the rounded value.
+// Both slacks hold a few percent of margin for the rounding of this arithmetic. So no token
+// whose approx_j + bound_j falls below the largest approx_k - bound_k can be the argmax: the
+// rest (a few tokens a row for a trained model's peaked logits) are computed exactly as
 // packed_linear computes them, one fused multiply-add chain over the inputs in order, and the
 // first of the maxima wins, as greedy_pick picks: the same token, bit for bit the same logits
 // compared. -1 for a row whose hidden or approximations are not all finite (or whose chosen
 // logit is not): its caller computes the fp32 logits.
 
-constexpr float kDotSlack = 0.0081f;    // 2^-7 + 2^-16 + 2 * 576 * 2^-24 = 0.00790, with margin
-constexpr float kRoundSlack = 0.0040f;  // 2^-9 / (1 - 2^-9) = 0.00196, with margin
+// 2^-7 + 2^-16 + 2 * in * 2^-24, with margin
+inline float dot_slack(int64_t in) {
+  return (0x1p-7f + 0x1p-16f + 2.f * static_cast<float>(in) * 0x1p-24f) * 1.04f;
+}
+constexpr float kRoundSlack = 0.0041f;  // 2^-8 / (1 - 2^-8) = 0.00392, with margin
 
 // The exact fp32 logit of token `w` (a row of the LM head): the panels' chain of fused
 // multiply-adds from zero over the inputs in order.
@@ -1268,7 +1272,7 @@ inline __m512 load_bf16(const at::BFloat16* a, __mmask16 lanes) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
 
-// bound_j for 16 tokens: `dot_scale` is kDotSlack * |h|.
+// bound_j for 16 tokens: `dot_scale` is dot_slack(in) * |h|.
 inline __m512 bounds(__m512 approx, const float* norms, __mmask16 lanes, __m512 dot_scale) {
   const __m512 round = _mm512_mul_ps(_mm512_abs_ps(approx), _mm512_set1_ps(kRoundSlack));
   return _mm512_add_ps(_mm512_mul_ps(dot_scale, _mm512_maskz_loadu_ps(lanes, norms)), round);
@@ -1287,7 +1291,7 @@ int64_t greedy_head_row(const float* h, const at::BFloat16* approx, const float*
   const float norm = std::nextafter(static_cast<float>(std::sqrt(squares)),
                                     std::numeric_limits<float>::infinity());
   if (!std::isfinite(norm)) return -1;
-  const __m512 dot_scale = _mm512_set1_ps(kDotSlack * norm);
+  const __m512 dot_scale = _mm512_set1_ps(dot_slack(in) * norm);
   // The largest approx - bound; a non-finite approximation sends the row to the fp32 logits.
   __m512 floor = _mm512_set1_ps(kNegInf);
   __mmask16 odd = 0;

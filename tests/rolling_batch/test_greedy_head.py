@@ -58,6 +58,22 @@ def test_equal_and_nearly_equal_maxima_go_as_the_fp32_logits_say():
     assert picked[0].item() in (40, 450)  # which of them the fp32 sums rank first
 
 
+def test_a_token_the_bf16_logits_rank_lower_still_wins_on_its_fp32_logit():
+    """Token 3's inputs all round up to bf16, token 10's all round down (the coherent errors
+    the bound covers): token 3's bf16 logit is the larger, token 10's fp32 logit is."""
+    torch.manual_seed(3)
+    weight = torch.randn(16, 64) * 0.01
+    weight[3] = 1 + 2**-8 + 2**-20  # just above the midpoint of 1 and 1 + 2^-7: up
+    weight[10, :32] = 1 + 2**-7 + 2**-8 - 2**-20  # just below the next midpoint: down
+    weight[10, 32:] = 1 + 2**-8 - 2**-20  # down to 1
+    hidden = torch.ones(2, 64)
+    hidden[1] *= 1000.0
+    head = GreedyHead(weight, bf16_panels())
+    approx = head.approx(hidden.bfloat16()).float()
+    assert (approx[:, 3] > approx[:, 10]).all()
+    assert head(hidden).tolist() == [10, 10] == fp32_argmax(weight, hidden).tolist()
+
+
 def test_rows_that_are_not_finite_are_left_to_the_fp32_logits():
     torch.manual_seed(2)
     weight = torch.randn(256, 32)
