@@ -138,17 +138,14 @@ def test_requests_without_log_probs_take_tokens_picked_without_logits(sockets):
     """Beside requests whose logits are sampled, in the same steps: the same greedy tokens,
     and no log-prob where none was asked for."""
     router, connect = sockets
-    engine = make_engine(router, argmax_head=True)
-    dealer = connect()
-    submit(dealer, "bare", [5, 6], 4, log_probs=False)
-    submit(dealer, "detailed", [40], 3)
+    engine, dealer = make_engine(router, argmax_head=True), connect()
+    requests = {"bare": ([5, 6], 4, {"log_probs": False}), "detailed": ([40], 3, {})}
+    for name, (prompt, max_new, params) in requests.items():
+        submit(dealer, name, prompt, max_new, **params)
     wait_for_messages(router)
     run_until_idle(engine)
     events = receive_all(dealer)
-    tokens = {
-        name: [t for e in events if e.id == name for t in e.token_ids]
-        for name in ("bare", "detailed")
-    }
+    tokens = {name: [t for e in events if e.id == name for t in e.token_ids] for name in requests}
     assert tokens == {"bare": [7, 8, 9, 10], "detailed": [41, 42, 43]}
     bare = [p for e in events if e.id == "bare" for p in e.log_probs]
     detailed = [p for e in events if e.id == "detailed" for p in e.log_probs]
