@@ -61,8 +61,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_step(self, chunks: list[SequenceChunk]) -> StepLogits:
-        """The logits, and the prompt log-probs of the chunks that ask (every rank computes
-        them: the LM head's gather is a collective)."""
+        """The logits, the greedy tokens of `argmax_only` chunks, and the prompt log-probs of
+        the chunks that ask (every rank computes them: the LM head's gather is a collective)."""
         input_ids, positions, meta, logits_rows, argmax_rows = self._prepare(chunks)
         if self.lora is not None:
             self.lora.prepare(chunks)
