@@ -4,11 +4,10 @@
 
 Parameters follow OpenAI: `max_tokens` (or `max_completion_tokens`; default 30 as for text
 requests), `temperature` (default 1.0, which samples; 0 is greedy), `top_p`, `seed`, `stop`,
-`stream`, `n` (choices, streamed too), `logprobs` and `top_logprobs` (up to 20 alternatives per
-token, under the distribution the token was drawn from). Non-zero penalties are refused rather
-than ignored. Messages may carry assistant `tool_calls` and `tool` results (`tool_call_id`),
-which reach the chat template as given.
-"""
+`stream`, `n` (choices, streamed too), vLLM's `ignore_eos`, `logprobs` and `top_logprobs` (up to
+20 alternatives per token, under the distribution the token was drawn from). Non-zero penalties
+are refused rather than ignored. Messages may carry assistant `tool_calls` and `tool` results
+(`tool_call_id`), which reach the chat template as given."""
 
 from __future__ import annotations
 
@@ -110,6 +109,9 @@ def read_openai_sampling(
         temperature=temperature if temperature > 0 else 1.0,
         top_p=reader.number("top_p", 1.0, minimum=0.0, exclusive_minimum=True, maximum=1.0),
         seed=reader.integer("seed", None, minimum=0),
+        # vLLM's extension (both endpoints): generate `max_tokens` whatever the model emits,
+        # as benchmarks ask. Left unread, such a request would stop at the first EOS.
+        ignore_eos=reader.boolean("ignore_eos", False),
     )
     n = reader.integer("n", 1, minimum=1, maximum=MAX_SEQUENCES)
     for penalty in ("frequency_penalty", "presence_penalty"):

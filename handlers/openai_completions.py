@@ -3,10 +3,9 @@ in, `text_completion` objects out, whole or as SSE chunks ending in `data: [DONE
 `usage`.
 
 Parameters: `max_tokens` (OpenAI's default 16), `temperature`, `top_p`, `seed`, `stop`,
-`stream`, `n` (choices per prompt), `echo` (the prompt before the text), `logprobs` (each
-token's log-prob, and that many most likely alternatives, up to 20 as vLLM allows; with `echo`,
-the prompt's tokens too, not streamed).
-"""
+`ignore_eos` (vLLM's), `stream`, `n` (choices per prompt), `echo` (the prompt before the text),
+`logprobs` (each token's log-prob, and that many most likely alternatives, up to 20 as vLLM
+allows; with `echo`, the prompt's tokens too, not streamed)."""
 
 from __future__ import annotations
 

@@ -205,3 +205,17 @@ def test_only_openai_requests_that_ask_for_logprobs_get_them_computed():
     assert parse_completion(completion).sampling.params.log_probs is False
     assert parse_completion({**completion, "logprobs": 0}).sampling.params.log_probs is True
     assert parse({"inputs": "Hi"}).params.log_probs is True
+
+
+def test_openai_ignore_eos_is_read_on_both_routes_and_must_be_a_boolean():
+    """vLLM's `ignore_eos`: benchmarks ask for exactly `max_tokens` tokens with it."""
+    from lmserve.handlers.chat import parse_chat
+    from lmserve.handlers.openai_completions import parse_completion
+
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    assert parse_chat(chat).params.ignore_eos is False
+    assert parse_chat({**chat, "ignore_eos": True}).params.ignore_eos is True
+    assert parse_completion({"prompt": "Hi"}).sampling.params.ignore_eos is False
+    assert parse_completion({"prompt": "Hi", "ignore_eos": True}).sampling.params.ignore_eos
+    with pytest.raises(BadRequest, match="ignore_eos"):
+        parse_completion({"prompt": "Hi", "ignore_eos": "yes"})

@@ -252,6 +252,22 @@ def test_openai_completion_equals_the_greedy_invocation(server, openai_client):
     assert "".join(chunk.choices[0].text for chunk in streamed) == expected
 
 
+def test_openai_ignore_eos_generates_max_tokens_past_the_end_of_the_answer(server):
+    """vLLM's `ignore_eos`, as benchmarks send it: a short chat answer ends at its EOS without
+    it and runs to `max_tokens` with it."""
+    body = {"messages": CHAT, "max_tokens": 200, "temperature": 0}
+    url = f"{server.url}/v1/chat/completions"
+    answer = requests.post(url, json=body, timeout=120).json()
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] < 200
+    forced = requests.post(url, json={**body, "ignore_eos": True}, timeout=120).json()
+    assert forced["choices"][0]["finish_reason"] == "length"
+    assert forced["usage"]["completion_tokens"] == 200
+    assert forced["choices"][0]["message"]["content"].startswith(
+        answer["choices"][0]["message"]["content"]
+    )
+
+
 def test_openai_completion_lists_echo_and_logprobs(server, openai_client, smollm2_dir):
     from transformers import AutoTokenizer
 
