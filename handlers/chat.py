@@ -4,10 +4,13 @@
 
 Parameters follow OpenAI: `max_tokens` (or `max_completion_tokens`; default 30 as for text
 requests), `temperature` (default 1.0, which samples; 0 is greedy), `top_p`, `seed`, `stop`,
-`stream`, `n` (choices, streamed too), vLLM's `ignore_eos`, `logprobs` and `top_logprobs` (up to
-20 alternatives per token, under the distribution the token was drawn from). Non-zero penalties
-are refused rather than ignored. Messages may carry assistant `tool_calls` and `tool` results
-(`tool_call_id`), which reach the chat template as given."""
+`stream`, `n` (choices, streamed too), `logprobs` and `top_logprobs` (up to 20 alternatives per
+token, under the distribution the token was drawn from), and vLLM's `top_k`,
+`repetition_penalty` and `ignore_eos`. What would change the answer and is not done here
+(non-zero penalties, `logit_bias`, `best_of`, `suffix`, vLLM's `min_p`, `min_tokens`,
+`stop_token_ids`, `use_beam_search`) is refused rather than ignored. Messages may carry
+assistant `tool_calls` and `tool` results (`tool_call_id`), which reach the chat template as
+given."""
 
 from __future__ import annotations
 
@@ -109,14 +112,20 @@ def read_openai_sampling(
         temperature=temperature if temperature > 0 else 1.0,
         top_p=reader.number("top_p", 1.0, minimum=0.0, exclusive_minimum=True, maximum=1.0),
         seed=reader.integer("seed", None, minimum=0),
-        # vLLM's extension (both endpoints): generate `max_tokens` whatever the model emits,
-        # as benchmarks ask. Left unread, such a request would stop at the first EOS.
+        # vLLM's extensions, as its clients send them: `top_k` (0 or -1: off), a
+        # multiplicative `repetition_penalty`, and `ignore_eos`: `max_tokens` tokens whatever
+        # the model emits (benchmarks ask for it; left unread, they stopped at the first EOS).
+        top_k=max(0, reader.integer("top_k", 0, minimum=-1)),
+        repetition_penalty=reader.number(
+            "repetition_penalty", 1.0, minimum=0.0, exclusive_minimum=True
+        ),
         ignore_eos=reader.boolean("ignore_eos", False),
     )
     n = reader.integer("n", 1, minimum=1, maximum=MAX_SEQUENCES)
     for penalty in ("frequency_penalty", "presence_penalty"):
         if reader.number(penalty, 0.0, minimum=-2.0, maximum=2.0) != 0.0:
             raise BadRequest(penalty, "not supported (use 0)")
+    _refuse_what_would_change_the_answer(reader.raw)
     model = reader.raw.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("model", f"expected a string, got {model!r}")
@@ -125,6 +134,26 @@ def read_openai_sampling(
     stream = reader.boolean("stream", False)
     stop = reader.stop_sequences("stop")
     return OpenAISampling(params, stop, stream, model, _include_usage(reader.raw, stream), n)
+
+
+# OpenAI's and vLLM's parameters that would change the answer, which lmserve does not do: a
+# request that sets one is refused rather than answered as if it had not.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {  # field -> the values that leave the answer alone
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "use_beam_search": (None, False),
+}
+
+
+def _refuse_what_would_change_the_answer(payload: dict[str, Any]) -> None:
+    for field, neutral in _UNSUPPORTED.items():
+        value = payload.get(field)
+        if not any(value == n and type(value) is type(n) for n in neutral):
+            raise BadRequest(field, f"not supported, got {value!r}")
 
 
 def _include_usage(payload: dict[str, Any], stream: bool) -> bool:

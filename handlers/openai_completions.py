@@ -3,9 +3,10 @@ in, `text_completion` objects out, whole or as SSE chunks ending in `data: [DONE
 `usage`.
 
 Parameters: `max_tokens` (OpenAI's default 16), `temperature`, `top_p`, `seed`, `stop`,
-`ignore_eos` (vLLM's), `stream`, `n` (choices per prompt), `echo` (the prompt before the text),
-`logprobs` (each token's log-prob, and that many most likely alternatives, up to 20 as vLLM
-allows; with `echo`, the prompt's tokens too, not streamed)."""
+`stream`, `n` (choices per prompt), `echo` (the prompt before the text), `logprobs` (each
+token's log-prob, and that many most likely alternatives, up to 20 as vLLM allows; with `echo`,
+the prompt's tokens too, not streamed), vLLM's `top_k`, `repetition_penalty` and `ignore_eos`;
+what chat refuses (chat.py) is refused here too."""
 
 from __future__ import annotations
 

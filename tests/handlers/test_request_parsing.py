@@ -207,15 +207,51 @@ def test_only_openai_requests_that_ask_for_logprobs_get_them_computed():
     assert parse({"inputs": "Hi"}).params.log_probs is True
 
 
-def test_openai_ignore_eos_is_read_on_both_routes_and_must_be_a_boolean():
-    """vLLM's `ignore_eos`: benchmarks ask for exactly `max_tokens` tokens with it."""
+def test_openai_routes_read_vllms_sampling_extensions():
+    """vLLM's `ignore_eos` (benchmarks ask for exactly `max_tokens` tokens with it), `top_k`
+    (-1 and 0 are off) and `repetition_penalty`, on both routes."""
     from lmserve.handlers.chat import parse_chat
     from lmserve.handlers.openai_completions import parse_completion
 
     chat = {"messages": [{"role": "user", "content": "Hi"}]}
     assert parse_chat(chat).params.ignore_eos is False
-    assert parse_chat({**chat, "ignore_eos": True}).params.ignore_eos is True
-    assert parse_completion({"prompt": "Hi"}).sampling.params.ignore_eos is False
-    assert parse_completion({"prompt": "Hi", "ignore_eos": True}).sampling.params.ignore_eos
+    extended = {"ignore_eos": True, "top_k": 5, "repetition_penalty": 1.3}
+    for params in (
+        parse_chat({**chat, **extended}).params,
+        parse_completion({"prompt": "Hi", **extended}).sampling.params,
+    ):
+        assert (params.ignore_eos, params.top_k, params.repetition_penalty) == (True, 5, 1.3)
+    assert parse_completion({"prompt": "Hi", "top_k": -1}).sampling.params.top_k == 0
     with pytest.raises(BadRequest, match="ignore_eos"):
         parse_completion({"prompt": "Hi", "ignore_eos": "yes"})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("logit_bias", {"2": -100}),
+        ("best_of", 2),
+        ("suffix", "end"),
+        ("min_p", 0.1),
+        ("min_tokens", 4),
+        ("stop_token_ids", [2]),
+        ("use_beam_search", True),
+    ],
+)
+def test_openai_parameters_that_would_change_the_answer_are_refused_not_ignored(field, value):
+    from lmserve.handlers.chat import parse_chat
+    from lmserve.handlers.openai_completions import parse_completion
+
+    with pytest.raises(BadRequest, match=field):
+        parse_completion({"prompt": "Hi", field: value})
+    with pytest.raises(BadRequest, match=field):
+        parse_chat({"messages": [{"role": "user", "content": "Hi"}], field: value})
+
+
+def test_openai_parameters_at_their_neutral_values_are_accepted():
+    """Clients that send every field with its default (as SDKs may) are served."""
+    from lmserve.handlers.openai_completions import parse_completion
+
+    neutral = {"logit_bias": {}, "best_of": 1, "suffix": "", "min_p": 0.0, "min_tokens": 0}
+    neutral |= {"stop_token_ids": [], "use_beam_search": False}
+    assert parse_completion({"prompt": "Hi", **neutral}).prompts == ["Hi"]
