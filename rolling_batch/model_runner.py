@@ -113,6 +113,9 @@ class ModelRunner:
             seq_lens.append(chunk.num_computed + len(chunk.token_ids))
             logits_rows += range(len(token_ids) - chunk.num_logits, len(token_ids))
             argmax_rows += range(len(token_ids) - chunk.num_argmax, len(token_ids))
+        output_rows, logits_rows, argmax_rows = _read_rows(
+            chunks, len(token_ids), logits_rows, argmax_rows
+        )
         width = max(len(chunk.block_ids) for chunk in chunks)
         tables = [list(chunk.block_ids) + [0] * (width - len(chunk.block_ids)) for chunk in chunks]
 
@@ -133,5 +136,19 @@ class ModelRunner:
             max_query_len=max(len(chunk.token_ids) for chunk in chunks),
             max_seq_len=max(seq_lens),
             reference_plan=plan,
+            output_rows=None if output_rows is None else tensor(output_rows),
         )
         return tensor(token_ids), tensor(positions), meta, tensor(logits_rows), tensor(argmax_rows)
+
+
+def _read_rows(chunks: list[SequenceChunk], num_tokens: int, logits_rows, argmax_rows):
+    """(the tokens whose outputs the step reads, or None for all; the logits and argmax rows
+    among those outputs). A prompt chunk's tokens before its last are never read unless their
+    log-probs are asked for, so the model may skip the last layer's work past attention for
+    them."""
+    wanted = len(logits_rows) + len(argmax_rows)
+    if wanted == num_tokens or any(chunk.score_targets for chunk in chunks):
+        return None, logits_rows, argmax_rows
+    output_rows = sorted(logits_rows + argmax_rows)
+    row_of = {token: row for row, token in enumerate(output_rows)}
+    return output_rows, [row_of[t] for t in logits_rows], [row_of[t] for t in argmax_rows]

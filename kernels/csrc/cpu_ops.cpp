@@ -1986,12 +1986,17 @@ class DecoderStack {
 
   // The final norm's output for the embedded tokens `embedded` [T, hidden]; each layer's new
   // K/V go to its caches at `slot_mapping`, then attention reads them (see paged_attention).
+  // `output_rows` (int64): only those tokens' outputs, in that order. Every layer still stores
+  // every token's K/V, but the last layer's O projection, MLP and the final norm run for these
+  // rows alone: a prompt chunk reads only its last token's output, so a prefill step skips
+  // most of 1/num_layers of its arithmetic.
   at::Tensor forward(const at::Tensor& embedded, const at::Tensor& positions,
                      const at::Tensor& cos, const at::Tensor& sin_signed,
                      const std::vector<at::Tensor>& k_caches,
                      const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc) const {
+                     const at::Tensor& query_start_loc,
+                     const std::optional<at::Tensor>& output_rows) const {
     TORCH_CHECK(!layers_.empty(), "a decoder stack needs its layers");
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache a layer");
@@ -2010,10 +2015,14 @@ class DecoderStack {
           qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_, head_dim_});
       store_kv(query_key.narrow(1, num_q_, num_kv_), value, k_caches[i], v_caches[i],
                slot_mapping);
-      const at::Tensor attended =
+      at::Tensor attended =
           paged_attention(query_key.narrow(1, 0, num_q_), k_caches[i], v_caches[i],
                           block_tables, seq_lens, query_start_loc, scale_);
-      hidden = row_linear(attended.view({tokens, q_size}), layer.o, layer.o_bias);
+      if (output_rows.has_value() && i + 1 == layers_.size()) {
+        attended = attended.index_select(0, *output_rows);
+        residual = residual.index_select(0, *output_rows);
+      }
+      hidden = row_linear(attended.view({attended.size(0), q_size}), layer.o, layer.o_bias);
       add_rms_norm_(hidden, residual, layer.post_norm, eps_);
       hidden = row_linear(activated_mlp_input(hidden, layer), layer.down, layer.down_bias);
     }

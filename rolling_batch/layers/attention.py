@@ -26,6 +26,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     reference_plan: ReferencePlan | None = None  # CPU without native kernels: the layout
+    # The tokens whose outputs the step reads (int64, ascending), None for all: the model
+    # returns only theirs, and may skip the last layer's work past attention for the others.
+    output_rows: torch.Tensor | None = None
 
 
 class Attention(nn.Module):

@@ -123,11 +123,14 @@ class LlamaModel(nn.Module):
                 meta.block_tables,
                 meta.seq_lens,
                 meta.query_start_loc,
+                meta.output_rows,
             )
         rope = self.rotary.for_step(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        if meta.output_rows is not None:
+            hidden, residual = hidden[meta.output_rows], residual[meta.output_rows]
         return self.norm(hidden, residual)[0]
 
 

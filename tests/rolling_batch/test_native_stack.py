@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lmserve.kernels import cpu_native
+from lmserve.rolling_batch import model_runner
 from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
 from lmserve.rolling_batch.step import SequenceChunk
@@ -69,6 +70,35 @@ def test_stack_gives_the_python_layers_bits(model, dtype, tiny_model_dir, biased
     assert counting.calls == 4  # every step of run_steps went through it
     for (sequence, got), (_, expected) in zip(stacked, python, strict=True):
         assert torch.equal(got, expected), f"after {len(sequence)} tokens"
+
+
+@pytest.mark.parametrize("stack", [True, False])
+def test_steps_that_read_few_outputs_give_the_bits_of_steps_that_read_all(
+    stack, tiny_model_dir, monkeypatch
+):
+    """A prompt chunk's tokens before its last are never read: the last layer's O, MLP and
+    final norm run for the read rows only (the stack's and the Python layers' alike), and
+    those rows' logits are the bits of a step that computes every row."""
+    pruned, full = runner_for(tiny_model_dir), runner_for(tiny_model_dir)
+    if not stack:
+        pruned.model.model.native_stack = full.model.model.native_stack = None
+    read_rows = model_runner._read_rows
+    pruned_steps = []
+
+    def recording(chunks, *args):
+        output_rows, *rows = read_rows(chunks, *args)
+        pruned_steps.append(output_rows is not None)
+        return output_rows, *rows
+
+    monkeypatch.setattr(model_runner, "_read_rows", recording)
+    vocab_size = pruned.model.config.vocab_size
+    got = run_steps(pruned, pruned.block_size, vocab_size)
+    assert any(pruned_steps) and not all(pruned_steps)  # the prompt steps, not the decodes
+
+    monkeypatch.setattr(model_runner, "_read_rows", lambda _, __, *rows: (None, *rows))
+    expected = run_steps(full, full.block_size, vocab_size)
+    for (sequence, row), (_, expected_row) in zip(got, expected, strict=True):
+        assert torch.equal(row, expected_row), f"after {len(sequence)} tokens"
 
 
 def test_quantized_layers_keep_python(tiny_model_dir):
