@@ -36,10 +36,11 @@ def smollm2_dir(cache_dir: Path) -> Path:
 
 
 def save_tiny_llama(
-    folder: Path, smollm2_dir: Path, intermediate_size: int = 64, dtype=None, hidden_size=32
+    folder: Path, smollm2_dir: Path | None, intermediate_size: int = 64, dtype=None, hidden_size=32
 ) -> Path:
     """A random-weight two-layer Llama with SmolLM2's tokenizer, saved as an HF folder: as
-    fast as a model gets (`intermediate_size` makes a step as costly as wanted)."""
+    fast as a model gets (`intermediate_size` makes a step as costly as wanted). Without
+    `smollm2_dir` it has no tokenizer: for tests that deal in token ids only."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -59,7 +60,7 @@ def save_tiny_llama(
     )
     model = LlamaForCausalLM(config)
     (model if dtype is None else model.to(dtype)).save_pretrained(folder)
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES if smollm2_dir is not None else ():
         if (smollm2_dir / name).exists():
             shutil.copy(smollm2_dir / name, folder / name)
     return folder

@@ -29,8 +29,9 @@ VARIED_PROMPTS = [
 
 
 def hf_greedy_alone(model, prompt_ids: list[int], max_new_tokens: int):
-    """(generated ids, raw logits of each step) for one prompt run alone, fp32."""
-    input_ids = torch.tensor([prompt_ids])
+    """(generated ids, raw logits of each step) for one prompt run alone, fp32, on the
+    model's device."""
+    input_ids = torch.tensor([prompt_ids], device=model.device)
     with torch.inference_mode():
         out = model.generate(
             input_ids=input_ids,

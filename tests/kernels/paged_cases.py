@@ -3,7 +3,7 @@ scattered over the cache in random order, the rest of the cache filled with nois
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -31,6 +31,12 @@ class PagedCase:
             self.max_query_len,
             self.max_seq_len,
         )
+
+    def to(self, device) -> PagedCase:
+        """The same case with its tensors on `device`."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+        return PagedCase(**moved)
 
 
 def make_case(

@@ -8,10 +8,12 @@ import torch
 
 from lmserve.kernels.kv_store import store_kv_reference
 
+from . import DEVICE
 
-def caches(num_blocks, block_size, kv_heads, head_dim, dtype):
+
+def caches(num_blocks, block_size, kv_heads, head_dim, dtype, device="cpu"):
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    return tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -34,12 +36,12 @@ def test_triton_kernel_equals_reference(dtype, kv_heads, head_dim):
     from lmserve.kernels.kv_store_triton import store_kv_triton
 
     # K/V as views into a fused QKV row, the way the attention layer passes them.
-    qkv = torch.randn(7, (2 + 2 * kv_heads) * head_dim)
+    qkv = torch.randn(7, (2 + 2 * kv_heads) * head_dim, device=DEVICE)
     key = qkv[:, 2 * head_dim : (2 + kv_heads) * head_dim].view(7, kv_heads, head_dim)
     value = qkv[:, (2 + kv_heads) * head_dim :].view(7, kv_heads, head_dim)
-    slots = torch.tensor([3, 0, -1, 17, 9, -1, 30], dtype=torch.int32)
-    expected_k, expected_v = caches(4, 8, kv_heads, head_dim, dtype)
-    got_k, got_v = caches(4, 8, kv_heads, head_dim, dtype)
+    slots = torch.tensor([3, 0, -1, 17, 9, -1, 30], dtype=torch.int32, device=DEVICE)
+    expected_k, expected_v = caches(4, 8, kv_heads, head_dim, dtype, DEVICE)
+    got_k, got_v = caches(4, 8, kv_heads, head_dim, dtype, DEVICE)
     store_kv_reference(key, value, expected_k, expected_v, slots)
     store_kv_triton(key, value, got_k, got_v, slots)
     assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)

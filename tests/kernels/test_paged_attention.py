@@ -1,5 +1,5 @@
 """Paged attention: the torch reference against plain causal attention on contiguous K/V, and
-the Triton kernel against the reference (in Triton's interpreter on CPU)."""
+the Triton kernel (on the GPU, or in Triton's interpreter on CPU) against the reference."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from lmserve.kernels.paged_attention import ReferencePlan, paged_attention_reference
 
+from . import DEVICE
 from .paged_cases import make_case
 
 SCENARIOS = {
@@ -88,7 +89,7 @@ def test_triton_kernel_equals_reference_fp32(scenario, block_size, q_heads, kv_h
 
     case = make_case(SCENARIOS[scenario], block_size, q_heads, kv_heads, head_dim)
     expected = paged_attention_reference(*case.args(head_dim**-0.5))
-    got = paged_attention_triton(*case.args(head_dim**-0.5))
+    got = paged_attention_triton(*case.to(DEVICE).args(head_dim**-0.5)).cpu()
     # fp32 throughout; only the order of the sums differs (online softmax in tiles).
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -98,6 +99,6 @@ def test_triton_kernel_equals_reference_bf16():
 
     case = make_case(SCENARIOS["chunked"], 4, 6, 2, 8, dtype=torch.bfloat16, seed=3)
     expected = paged_attention_reference(*case.args(0.35))
-    got = paged_attention_triton(*case.args(0.35))
+    got = paged_attention_triton(*case.to(DEVICE).args(0.35)).cpu()
     # Both compute in fp32 and round once to bf16 (8 bits of mantissa): one bf16 ulp apart.
     torch.testing.assert_close(got.float(), expected.float(), rtol=1.6e-2, atol=1e-2)

@@ -1,9 +1,10 @@
-"""The GPU's weight-only int4/int8 matmul (Triton, run by its CPU interpreter here) and its
-pure-torch reference (kernels/weight_only_matmul.py) against the dequantized weight: in fp32 the
-same product as a dense fp32 linear up to summation order; in fp16/bf16 the weight rounded to
-the activations' dtype, as a dense half-precision model holds it, products summed in fp32 and
-the output rounded once. The interpreter narrows to bf16 by truncating (a GPU rounds to
-nearest), so the kernel's bf16 is held to one bf16 unit a weight and on the output."""
+"""The GPU's weight-only int4/int8 matmul (Triton: on the GPU where there is one, else run by
+its CPU interpreter) and its pure-torch reference (kernels/weight_only_matmul.py) against the
+dequantized weight: in fp32 the same product as a dense fp32 linear up to summation order; in
+fp16/bf16 the weight rounded to the activations' dtype, as a dense half-precision model holds
+it, products summed in fp32 and the output rounded once. The interpreter narrows to bf16 by
+truncating (a GPU rounds to nearest), so the kernel's bf16 is held to one bf16 unit a weight
+and on the output."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from lmserve.kernels.weight_only_matmul import weight_only_matmul_reference
 from lmserve.kernels.weight_only_matmul_triton import weight_only_matmul
 from lmserve.rolling_batch.layers.quantized import dequantize_int8
 from lmserve.rolling_batch.layers.quantized_gpu import GpuInt4Weight, GpuInt8Weight
+
+from . import DEVICE
 
 UNIT_ROUNDING = {torch.float32: 2**-24, torch.float16: 2**-11, torch.bfloat16: 2**-8}
 
@@ -56,6 +59,7 @@ def test_int4_product_is_the_dequantized_weights(
     generator = torch.Generator().manual_seed(rows)
     (codes, scales, zeros), weight = int4_case(out_features, in_features, group_size, generator)
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    codes, scales, zeros, weight, x = (t.to(DEVICE) for t in (codes, scales, zeros, weight, x))
     int4 = GpuInt4Weight(codes, scales, zeros, group_size)
     assert_product(int4(x), x, weight)
     parts = (int4.codes, int4.scales, int4.zeros, group_size)
@@ -70,21 +74,25 @@ def test_int8_product_is_the_dequantized_weights_and_rows_are_its_rows(dtype, ro
     scales = torch.rand(out_features, 8, generator=generator) * 0.01
     weight = dequantize_int8(codes, scales)
     x = torch.randn(rows, 256, generator=generator).to(dtype)
+    codes, scales, weight, x = (t.to(DEVICE) for t in (codes, scales, weight, x))
     int8 = GpuInt8Weight(codes, scales)
     assert_product(int8(x), x, weight)
     reference = weight_only_matmul_reference(x, int8.codes, int8.scales, None, 32)
     assert_product(reference, x, weight, interpreted=False)
-    ids = torch.tensor([3, 0, out_features - 1])
+    ids = torch.tensor([3, 0, out_features - 1], device=DEVICE)
     assert torch.equal(int8.rows(ids, dtype), weight[ids].to(dtype))
 
 
 def test_bias_is_added_once_and_a_strided_input_is_read_right():
     generator = torch.Generator().manual_seed(5)
     (codes, scales, zeros), weight = int4_case(64, 128, 32, generator)
-    wide = torch.randn(9, 256, generator=generator)
+    wide = torch.randn(9, 256, generator=generator).to(DEVICE)
     x = wide[:, 64:192]  # rows 256 apart: not contiguous
     bias = torch.randn(64, generator=generator)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    packed, scales, zeros, weight, bias = (
+        t.to(DEVICE) for t in (packed, scales, zeros, weight, bias)
+    )
     got = weight_only_matmul(x, packed, scales, zeros, 32, bias)
     assert_product(got, x, weight, bias)
     assert weight_only_matmul(x[:0], packed, scales, zeros, 32).shape == (0, 64)
