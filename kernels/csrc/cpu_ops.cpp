@@ -1256,12 +1256,32 @@ inline float dot_slack(int64_t in) {
 }
 constexpr float kRoundSlack = 0.0041f;  // 2^-8 / (1 - 2^-8) = 0.00392, with margin
 
-// The exact fp32 logit of token `w` (a row of the LM head): the panels' chain of fused
-// multiply-adds from zero over the inputs in order.
-inline float exact_logit(const float* h, const float* w, int64_t in) {
-  float sum = 0.f;
-  for (int64_t i = 0; i < in; ++i) sum = std::fma(h[i], w[i], sum);
-  return sum;
+// The first of the largest exact fp32 logits of `tokens` (rows of the LM head, ascending), or -1
+// where one is not finite. Each logit is the panels' chain of fused multiply-adds from zero
+// over the inputs in order; eight chains run side by side, as one alone waits on the
+// multiply-add's latency at every input (a row of flat logits leaves ~70 tokens of SmolLM2's
+// 49k to compute).
+int64_t best_exact(const float* h, const float* weight, int64_t in,
+                   const std::vector<int64_t>& tokens) {
+  constexpr int kChains = 8;
+  int64_t best = -1;
+  float best_logit = 0.f;
+  for (size_t first = 0; first < tokens.size(); first += kChains) {
+    const int count = static_cast<int>(std::min<size_t>(kChains, tokens.size() - first));
+    const float* rows[kChains];  // the last token again where fewer are left: not read out
+    for (int c = 0; c < kChains; ++c) {
+      rows[c] = weight + tokens[first + std::min(c, count - 1)] * in;
+    }
+    float sums[kChains] = {};
+    for (int64_t i = 0; i < in; ++i) {
+      for (int c = 0; c < kChains; ++c) sums[c] = std::fma(h[i], rows[c][i], sums[c]);
+    }
+    for (int c = 0; c < count; ++c) {
+      if (!std::isfinite(sums[c])) return -1;
+      if (best < 0 || sums[c] > best_logit) best = tokens[first + c], best_logit = sums[c];
+    }
+  }
+  return best;
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -1307,21 +1327,15 @@ int64_t greedy_head_row(const float* h, const at::BFloat16* approx, const float*
   // the subtraction above may have rounded up by half an ulp
   threshold -= std::abs(threshold) * 0x1p-20f;
   const __m512 lowest = _mm512_set1_ps(threshold);
-  int64_t best = -1;
-  float best_logit = 0.f;
+  std::vector<int64_t> candidates;
   for (int64_t j = 0; j < vocab; j += 16) {
     const __mmask16 lanes = lanes_from(j, vocab);
     const __m512 a = load_bf16(approx + j, lanes);
     const __m512 reach = _mm512_add_ps(a, bounds(a, norms + j, lanes, dot_scale));
     __mmask16 m = _mm512_mask_cmp_ps_mask(lanes, reach, lowest, _CMP_GE_OQ);
-    for (; m != 0; m &= m - 1) {
-      const int64_t token = j + __builtin_ctz(m);
-      const float logit = exact_logit(h, weight + token * in, in);
-      if (!std::isfinite(logit)) return -1;
-      if (best < 0 || logit > best_logit) best = token, best_logit = logit;
-    }
+    for (; m != 0; m &= m - 1) candidates.push_back(j + __builtin_ctz(m));
   }
-  return best;
+  return best_exact(h, weight, in, candidates);
 }
 #endif
 
