@@ -3,13 +3,13 @@
 # and the engine on CUDA against HF transformers (on a machine without a GPU the same tests run
 # the kernels in Triton's interpreter, or skip). For a machine with an NVIDIA GPU whose python3
 # already holds CUDA torch, triton, transformers and pytest, run from the repository root:
-#   bash tests/gpu_check.sh
+#   bash tests/gpu_check.sh [LOG_DIR]   # install.log and gpu_tests.log go there (default /tmp)
 # lmserve's other needs that such a machine may lack (msgspec) can come as wheels in .whl/,
 # downloaded beforehand where pip has an index:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --platform manylinux_2_17_x86_64 -d .whl msgspec
 set -o pipefail
-log_dir=${OUT:-/tmp}
+log_dir=${1:-/tmp}
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/lmserve-site .whl/*.whl
   export PYTHONPATH=/tmp/lmserve-site${PYTHONPATH:+:$PYTHONPATH}

@@ -9,19 +9,21 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
-from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
 from lmserve.rolling_batch.offline_generation import generate_greedy
 
 from ..conftest import save_tiny_llama
 from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
-from .test_model_logits import MAX_MODEL_LEN, PROMPTS, run_steps
+from .test_model_logits import (
+    LAYOUTS,
+    MAX_MODEL_LEN,
+    PROMPTS,
+    assert_steps_match_hf_logits,
+    layout_runner,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 MAX_NEW_TOKENS = 40  # the longest prompt (12 tokens) then crosses two 16-token blocks
-# (block_size, paged_attention); None: one block of max_model_len a sequence.
-LAYOUTS = [(1, True), (16, True), (None, False)]
 
 
 @pytest.fixture(scope="module")
@@ -37,28 +39,14 @@ def hf_model(model_dir):
 
 
 def cuda_runner(model_dir, block_size, paged):
-    options = RuntimeOptions(
-        dtype="fp32",
-        max_model_len=MAX_MODEL_LEN,
-        paged_attention=paged,
-        block_size=block_size or MAX_MODEL_LEN,
-        max_num_seqs=len(PROMPTS),
-    )
-    runner, _, _ = build_runner(model_dir, options, TensorParallelGroup())
+    runner = layout_runner(model_dir, block_size, paged)
     assert runner.device.type == "cuda" and runner.kv_caches[0][0].is_cuda
-    assert runner.block_size == (block_size if paged else MAX_MODEL_LEN)
     return runner
 
 
 @pytest.mark.parametrize(("block_size", "paged"), LAYOUTS)
 def test_packed_steps_match_hf_logits(model_dir, hf_model, block_size, paged):
-    runner = cuda_runner(model_dir, block_size, paged)
-    for sequence, logits in run_steps(runner, runner.block_size):
-        assert logits.is_cuda
-        with torch.inference_mode():
-            expected = hf_model(torch.tensor([sequence], device="cuda")).logits[0, -1]
-        error = (logits - expected).abs().max() / expected.abs().max()
-        assert error < 1e-4, f"relative error {error:.2e} after {len(sequence)} tokens"
+    assert_steps_match_hf_logits(cuda_runner(model_dir, block_size, paged), hf_model)
 
 
 @pytest.mark.parametrize(("block_size", "paged"), LAYOUTS)

@@ -74,22 +74,38 @@ def kernels(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize(("block_size", "paged"), [(1, True), (16, True), (None, False)])
-def test_packed_steps_match_hf_logits(model_dir, hf_model, block_size, paged, kernels):
+# (block_size, paged_attention); None: one block of max_model_len a sequence.
+LAYOUTS = [(1, True), (16, True), (None, False)]
+
+
+def layout_runner(model_dir, block_size, paged):
+    """A runner (on the GPU where there is one) with the KV layout LAYOUTS names."""
     options = RuntimeOptions(
         dtype="fp32",
         max_model_len=MAX_MODEL_LEN,
         paged_attention=paged,
         block_size=block_size or MAX_MODEL_LEN,
-        max_num_seqs=4,
+        max_num_seqs=len(PROMPTS),
     )
     runner, _, _ = build_runner(model_dir, options, TensorParallelGroup())
     assert runner.block_size == (block_size if paged else MAX_MODEL_LEN)
+    return runner
+
+
+def assert_steps_match_hf_logits(runner, hf_model) -> None:
+    """Every row of run_steps' packed steps within 1e-4 (relative) of HF's logits for the same
+    tokens, on the HF model's device."""
     for sequence, logits in run_steps(runner, runner.block_size):
+        assert logits.device == hf_model.device
         with torch.inference_mode():
-            expected = hf_model(torch.tensor([sequence])).logits[0, -1]
+            expected = hf_model(torch.tensor([sequence], device=hf_model.device)).logits[0, -1]
         error = (logits - expected).abs().max() / expected.abs().max()
         assert error < 1e-4, f"relative error {error:.2e} after {len(sequence)} tokens"
+
+
+@pytest.mark.parametrize(("block_size", "paged"), LAYOUTS)
+def test_packed_steps_match_hf_logits(model_dir, hf_model, block_size, paged, kernels):
+    assert_steps_match_hf_logits(layout_runner(model_dir, block_size, paged), hf_model)
 
 
 def test_prompt_scores_equal_hf_log_probs_across_chunks(model_dir, hf_model):
