@@ -57,6 +57,7 @@ class ServingConfig:
     mpi_mode: bool
     max_rolling_batch_size: int
     max_rolling_batch_prefill_tokens: int
+    scheduling_policy: str  # shortest_first or fcfs
     paged_attention: bool
     block_size: int
     num_kv_blocks: int | None

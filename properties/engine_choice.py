@@ -20,6 +20,7 @@ ROLLING_BATCH_LINE = "serving with lmserve's rolling batch over MPI ranks"
 ROLLING_ONLY_KEYS = (
     "option.max_rolling_batch_size",
     "option.max_rolling_batch_prefill_tokens",
+    "option.scheduling_policy",
     "option.paged_attention",
     "option.block_size",
     "option.num_kv_blocks",

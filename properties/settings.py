@@ -227,6 +227,15 @@ SETTINGS: tuple[Setting, ...] = (
         4096,
         ("MAX_BATCH_PREFILL_TOKENS",),
     ),
+    # Waiting prompts that arrived together (between two engine steps) prefill shortest first
+    # (lower median time to first token); `fcfs` keeps their arrival order. Earlier arrivals
+    # go first either way (rolling_batch/scheduler.py).
+    Setting(
+        "option.scheduling_policy",
+        "scheduling_policy",
+        choice("shortest_first", "fcfs"),
+        "shortest_first",
+    ),
     Setting("option.paged_attention", "paged_attention", boolean, True),
     Setting("option.block_size", "block_size", integer(1), 16),
     # None: as many blocks as the memory budget holds; a number pins the pool (tests, tuning).

@@ -31,6 +31,7 @@ class Request:
     status: str = WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    arrival_step: int = 0  # the scheduler's steps before it was added (Scheduler.add)
     first_token_time: float | None = None
     last_token_time: float | None = None
 

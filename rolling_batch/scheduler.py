@@ -3,7 +3,13 @@
 Every step: running requests first, in arrival order (decodes cost one token each; a prompt
 still being prefilled takes what the prefill budget allows), then waiting requests join while
 the batch has room and the budget lasts (a request whose LoRA adapter would make more than
-max_loras adapters in the batch waits, and those behind it may go first). Prompts longer than
+max_loras adapters in the batch waits, and those behind it may go first). Waiting requests
+queue in arrival order, except that with `shortest_first` the requests that arrived together
+(between two steps: a burst, or whatever came in during a long prefill step) queue shortest
+prompt first: their order among themselves was the network's, and prefilling the short ones
+first gives more of them their first token sooner (a burst of 64 prompts of 16..256 tokens: the
+median request waits for ~30% of the burst's prompt tokens instead of ~50%). Earlier arrivals
+still go first, so no request waits behind later ones. Prompts longer than
 the budget are prefilled in chunks across steps while decodes keep running. KV blocks are
 taken on demand; when none are left the newest running request is preempted (blocks freed,
 its tokens kept and recomputed later). With prefix caching a joining request starts from the
@@ -66,8 +72,11 @@ class Scheduler:
         max_loras: int | None = None,
         drafter: NgramDrafter | None = None,
         argmax_head: bool = False,
+        shortest_first: bool = False,
     ):
         self.blocks = block_manager
+        self.shortest_first = shortest_first
+        self._num_schedules = 0  # a request's arrival step: how many steps were scheduled before
         self.drafter = drafter  # speculative decoding; None: off
         # The model picks greedy tokens without logits (ModelRunner.argmax_head): requests
         # that need no more get `argmax_only` chunks.
@@ -88,7 +97,18 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.status = WAITING
+        request.arrival_step = self._num_schedules
         self.waiting.append(request)
+
+    def _order_arrivals(self) -> None:
+        """The requests added since the last step (the waiting queue's tail: preempted ones
+        go back to its front) ordered shortest first; equal lengths keep their arrival order."""
+        arrived = []
+        while self.waiting and self.waiting[-1].arrival_step == self._num_schedules:
+            arrived.append(self.waiting.pop())
+        arrived.reverse()
+        arrived.sort(key=lambda request: request.num_tokens)
+        self.waiting.extend(arrived)
 
     def abort(self, request_id: str) -> Request | None:
         """Removes the request wherever it is and frees its blocks at once."""
@@ -108,6 +128,9 @@ class Scheduler:
             self.drafter.forget(request)
 
     def schedule(self) -> SchedulerOutput:
+        if self.shortest_first:
+            self._order_arrivals()
+        self._num_schedules += 1
         budget = self.max_prefill_tokens
         out = SchedulerOutput([], [])
         for request in list(self.running):

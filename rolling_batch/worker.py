@@ -57,6 +57,7 @@ def main() -> None:
         max_loras=config.max_loras if config.enable_lora else None,
         drafter=NgramDrafter(config.speculative_length) if config.speculative_draft_model else None,
         argmax_head=runner.argmax_head,
+        shortest_first=config.scheduling_policy == "shortest_first",
     )
     # Before the ready state: a tokenizer that fails to load here must fail start-up.
     eos = eos_token_ids(runtime.model_path, trust_remote_code=config.trust_remote_code)
@@ -65,7 +66,8 @@ def main() -> None:
     dtype = str(runner.model.dtype).removeprefix("torch.")
     logging.getLogger("lmserve.engine").info(
         "engine=MPI model %s: %d rank(s), dtype=%s device=%s, max_rolling_batch_size=%d"
-        " max_rolling_batch_prefill_tokens=%d paged_attention=%s prefix_caching=%s"
+        " max_rolling_batch_prefill_tokens=%d scheduling_policy=%s paged_attention=%s"
+        " prefix_caching=%s"
         " speculative_draft_model=%s, KV cache %d blocks x %d tokens",
         runtime.model_name,
         comm.Get_size(),
@@ -73,6 +75,7 @@ def main() -> None:
         runner.device,
         config.max_rolling_batch_size,
         config.max_rolling_batch_prefill_tokens,
+        config.scheduling_policy,
         config.paged_attention,
         config.enable_prefix_caching,
         config.speculative_draft_model,

@@ -59,6 +59,7 @@ CONTRACT_DEFAULTS = {
     "mpi_mode": False,
     "max_rolling_batch_size": 32,
     "max_rolling_batch_prefill_tokens": 4096,
+    "scheduling_policy": "shortest_first",
     "paged_attention": True,
     "block_size": 16,
     "num_kv_blocks": None,
@@ -152,6 +153,7 @@ def test_plain_server_keys_from_the_file(tmp_path):
         ("option.rolling_batch=disable", "rolling_batch", "disable"),
         ("option.max_rolling_batch_size=64", "max_rolling_batch_size", 64),
         ("option.max_rolling_batch_prefill_tokens=512", "max_rolling_batch_prefill_tokens", 512),
+        ("option.scheduling_policy=FCFS", "scheduling_policy", "fcfs"),
         ("option.paged_attention=false", "paged_attention", False),
         ("option.paged_attention=FALSE", "paged_attention", False),
         ("option.dtype=fp16", "dtype", "fp16"),
@@ -841,6 +843,11 @@ def test_equal_min_and_max_workers_are_fine(tmp_path):
             "option.enable_chunked_prefill=maybe",
             None,
             ["option.enable_chunked_prefill='maybe'", "true or false"],
+        ),
+        (
+            "option.scheduling_policy=priority",
+            None,
+            ["option.scheduling_policy='priority'", "one of shortest_first, fcfs"],
         ),
         (
             "batch_size=4\noption.rolling_batch=auto",

@@ -232,3 +232,67 @@ def test_at_most_max_loras_adapters_run_and_the_others_wait_their_turn():
     first = seen_together[0]
     assert {"r0", "r1", "r3", "r4", "r6", "r7"} == first  # c (r2, r5) waits; b and None pass it
     assert any("r2" in step for step in seen_together)
+
+
+def _prompt(request_id: str, length: int, arrival: float) -> Request:
+    params = GenerationParams(max_new_tokens=3, ignore_eos=True)
+    return Request(request_id, list(range(3, 3 + length)), params, arrival)
+
+
+def _first_token_steps(scheduler: Scheduler, arrivals: list[list[Request]]) -> dict[str, int]:
+    """Runs `arrivals[k]` added before step k; the step at which each request got its first
+    token."""
+    first: dict[str, int] = {}
+    step = 0
+    while step < len(arrivals) or scheduler.has_work():
+        for request in arrivals[step] if step < len(arrivals) else []:
+            scheduler.add(request)
+        out = scheduler.schedule()
+        sampled = {r: Sample(fake_next_token(r.all_token_ids), -0.5) for r in out.sampling}
+        scheduler.update(out, sampled, {EOS})
+        scheduler.check_invariants()
+        for request in sampled:
+            first.setdefault(request.request_id, step)
+        step += 1
+    return first
+
+
+def test_shortest_first_prefills_a_burst_short_prompts_first_and_lowers_the_median_wait():
+    lengths = [200, 30, 120, 10, 250, 60, 90, 20]
+    runs = {}
+    for shortest_first in (False, True):
+        burst = [_prompt(f"p{i}", n, float(i)) for i, n in enumerate(lengths)]
+        scheduler = Scheduler(
+            BlockManager(200, 16),
+            max_running=8,
+            max_prefill_tokens=120,
+            max_model_len=512,
+            shortest_first=shortest_first,
+        )
+        runs[shortest_first] = _first_token_steps(scheduler, [burst])
+    arrival_order, shortest = runs[False], runs[True]
+    # Arrival order: the 200-token prompt takes the first step's 120 tokens for itself.
+    assert arrival_order["p0"] <= arrival_order["p1"] < arrival_order["p3"]
+    # Shortest first: 10, 20, 30 and 60 tokens fill the first step's 120 together.
+    assert shortest["p3"] == shortest["p7"] == shortest["p1"] == shortest["p5"] == 0
+    by_length = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    steps = [shortest[f"p{i}"] for i in by_length]
+    assert steps == sorted(steps)
+    median = len(lengths) // 2
+    assert sorted(shortest.values())[median] < sorted(arrival_order.values())[median]
+
+
+def test_shortest_first_never_puts_a_later_arrival_before_an_earlier_one():
+    early = [_prompt("early-long", 150, 0.0), _prompt("early-mid", 80, 0.1)]
+    late = [_prompt("late-short", 5, 1.0)]
+    scheduler = Scheduler(
+        BlockManager(200, 16),
+        max_running=8,
+        max_prefill_tokens=64,
+        max_model_len=512,
+        shortest_first=True,
+    )
+    first = _first_token_steps(scheduler, [early, late])
+    # The early pair arrived together (the shorter first), the short one a step later: it
+    # waits for both, however short.
+    assert first["early-mid"] < first["early-long"] <= first["late-short"]
