@@ -239,6 +239,16 @@ def _prompt(request_id: str, length: int, arrival: float) -> Request:
     return Request(request_id, list(range(3, 3 + length)), params, arrival)
 
 
+def _prefill_scheduler(max_prefill_tokens: int, shortest_first: bool) -> Scheduler:
+    return Scheduler(
+        BlockManager(200, 16),
+        max_running=8,
+        max_prefill_tokens=max_prefill_tokens,
+        max_model_len=512,
+        shortest_first=shortest_first,
+    )
+
+
 def _first_token_steps(scheduler: Scheduler, arrivals: list[list[Request]]) -> dict[str, int]:
     """Runs `arrivals[k]` added before step k; the step at which each request got its first
     token."""
@@ -262,13 +272,7 @@ def test_shortest_first_prefills_a_burst_short_prompts_first_and_lowers_the_medi
     runs = {}
     for shortest_first in (False, True):
         burst = [_prompt(f"p{i}", n, float(i)) for i, n in enumerate(lengths)]
-        scheduler = Scheduler(
-            BlockManager(200, 16),
-            max_running=8,
-            max_prefill_tokens=120,
-            max_model_len=512,
-            shortest_first=shortest_first,
-        )
+        scheduler = _prefill_scheduler(120, shortest_first)
         runs[shortest_first] = _first_token_steps(scheduler, [burst])
     arrival_order, shortest = runs[False], runs[True]
     # Arrival order: the 200-token prompt takes the first step's 120 tokens for itself.
@@ -285,14 +289,7 @@ def test_shortest_first_prefills_a_burst_short_prompts_first_and_lowers_the_medi
 def test_shortest_first_never_puts_a_later_arrival_before_an_earlier_one():
     early = [_prompt("early-long", 150, 0.0), _prompt("early-mid", 80, 0.1)]
     late = [_prompt("late-short", 5, 1.0)]
-    scheduler = Scheduler(
-        BlockManager(200, 16),
-        max_running=8,
-        max_prefill_tokens=64,
-        max_model_len=512,
-        shortest_first=True,
-    )
-    first = _first_token_steps(scheduler, [early, late])
+    first = _first_token_steps(_prefill_scheduler(64, shortest_first=True), [early, late])
     # The early pair arrived together (the shorter first), the short one a step later: it
     # waits for both, however short.
     assert first["early-mid"] < first["early-long"] <= first["late-short"]
