@@ -505,10 +505,10 @@ struct AttentionState {
     float* s = scores + r * kKeyChunk;
     const int64_t visible =
         std::clamp<int64_t>(static_cast<int64_t>(last_key[r]) - key0 + 1, 0, in_chunk);
-    const int64_t scored = (in_chunk + Vec::size() - 1) / Vec::size() * Vec::size();
-    std::fill(s + visible, s + scored, kNegInf);
+    const int64_t keys_scored = (in_chunk + Vec::size() - 1) / Vec::size() * Vec::size();
+    std::fill(s + visible, s + keys_scored, kNegInf);
     Vec maxima(kNegInf);
-    for (int64_t t = 0; t < scored; t += Vec::size()) {
+    for (int64_t t = 0; t < keys_scored; t += Vec::size()) {
       maxima = at::vec::maximum(maxima, Vec::loadu(s + t));
     }
     const float chunk_max = at::vec::vec_reduce_all<float>(
@@ -516,7 +516,7 @@ struct AttentionState {
     const float new_max = std::max(row_max[r], chunk_max);
     const Vec shift(new_max);
     Vec sums(0.f);
-    for (int64_t t = 0; t < scored; t += Vec::size()) {
+    for (int64_t t = 0; t < keys_scored; t += Vec::size()) {
       const Vec p = (Vec::loadu(s + t) - shift).exp();
       p.store(s + t);
       sums = sums + p;
