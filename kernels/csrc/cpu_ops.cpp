@@ -314,13 +314,23 @@ struct RowsAhead {
       for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(keys[t] + at, _MM_HINT_T1);
     }
   }
-  // While key t's value accumulates.
-  void ask_value(int64_t t) const {
-    t += lead;
-    if (t >= count) return;
-    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(values[t] + at, _MM_HINT_T1);
-  }
+  // The V rows asked for while keys 0..n accumulate: key t asks for row t + lead, if any.
+  int64_t values_asked(int64_t n) const { return std::clamp<int64_t>(count - lead, 0, n); }
 };
+
+// Asks for the first kAskedLines lines of `row` (all of a row of at most 512 bytes: head_dim
+// up to 128 in fp32), each line where the row has it, else its last line again: a fixed run
+// of prefetches with no loop or branch on the row's size. With a loop there, inside output_tile's
+// loop over keys, GCC kept the tile's sums on the stack (a load and a store around every
+// multiply-add of P V).
+constexpr int64_t kAskedLines = 8;
+inline void ask_row(const char* row, int64_t bytes) {
+  const int64_t last = std::max<int64_t>(bytes - 64, 0);
+#pragma GCC unroll 8
+  for (int64_t line = 0; line < kAskedLines; ++line) {
+    _mm_prefetch(row + std::min(line * 64, last), _MM_HINT_T1);
+  }
+}
 
 // acc[r][j] += sum over keys t of weight(t, r) * value[t][offset + j], for RT rows and DV
 // vectors of j; `acc` points at the tile's first element, rows d apart. With Asks, each
@@ -333,8 +343,12 @@ inline void output_tile(const float* weights, ScoreLayout layout, const float* c
   for (int r = 0; r < RT; ++r) {
     for (int j = 0; j < DV; ++j) a[r][j] = Vec::loadu(acc + r * d + j * Vec::size());
   }
+  const int64_t asked = Asks ? ahead.values_asked(num_keys) : 0;
   for (int64_t t = 0; t < num_keys; ++t) {
-    if constexpr (Asks) ahead.ask_value(t);
+    if constexpr (Asks) {
+      // Past the rows to ask for, the tile's own first row again (in cache): no branch.
+      ask_row(ahead.values[t < asked ? t + ahead.lead : 0], ahead.bytes);
+    }
     Vec v[DV];
     for (int j = 0; j < DV; ++j) v[j] = Vec::loadu(values[t] + offset + j * Vec::size());
     for (int r = 0; r < RT; ++r) {
