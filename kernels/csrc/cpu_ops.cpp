@@ -346,7 +346,7 @@ inline void output_tile(const float* weights, ScoreLayout layout, const float* c
   const int64_t asked = Asks ? ahead.values_asked(num_keys) : 0;
   for (int64_t t = 0; t < num_keys; ++t) {
     if constexpr (Asks) {
-      // Past the rows to ask for, the tile's own first row again (in cache): no branch.
+      // Past the rows to ask for, the chunk's first V row again (asked for already): no branch.
       ask_row(ahead.values[t < asked ? t + ahead.lead : 0], ahead.bytes);
     }
     Vec v[DV];
