@@ -318,9 +318,10 @@ struct RowsAhead {
   int64_t values_asked(int64_t n) const { return std::clamp<int64_t>(count - lead, 0, n); }
 };
 
-// Asks for the first kAskedLines lines of `row` (all of a row of at most 512 bytes: head_dim
-// up to 128 in fp32), each line where the row has it, else its last line again: a fixed run
-// of prefetches with no loop or branch on the row's size. With a loop there, inside output_tile's
+// Asks for the first kAskedLines lines of `row` (all of a row of at most 512 bytes, head_dim
+// up to 128 in fp32; a longer row's first 8, its rest read on demand), each line where the row
+// has it, else its last line again: a fixed run of prefetches with no loop or branch on the
+// row's size. With a loop there, inside output_tile's
 // loop over keys, GCC kept the tile's sums on the stack (a load and a store around every
 // multiply-add of P V).
 constexpr int64_t kAskedLines = 8;
