@@ -321,9 +321,8 @@ struct RowsAhead {
 // Asks for the first kAskedLines lines of `row` (all of a row of at most 512 bytes, head_dim
 // up to 128 in fp32; a longer row's first 8, its rest read on demand), each line where the row
 // has it, else its last line again: a fixed run of prefetches with no loop or branch on the
-// row's size. With a loop there, inside output_tile's
-// loop over keys, GCC kept the tile's sums on the stack (a load and a store around every
-// multiply-add of P V).
+// row's size. With a loop there, inside output_tile's loop over keys, GCC kept the tile's sums
+// on the stack (a load and a store around every multiply-add of P V).
 constexpr int64_t kAskedLines = 8;
 inline void ask_row(const char* row, int64_t bytes) {
   const int64_t last = std::max<int64_t>(bytes - 64, 0);
