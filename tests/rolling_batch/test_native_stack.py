@@ -107,3 +107,82 @@ def test_quantized_layers_keep_python(tiny_model_dir):
     assert runner.model.model.native_stack is None
     (logits,) = runner.execute([SequenceChunk((5, 6, 7), 0, (0, 1), True)])
     assert torch.isfinite(logits).all()
+
+
+class SplitCountingStack(CountingStack):
+    """Counts the calls the real stack splits by sequences (its forward's args 8-10 are
+    seq_lens, query_start_loc and output_rows)."""
+
+    def __init__(self, stack):
+        super().__init__(stack)
+        self.split_calls = 0
+
+    def forward(self, *args):
+        self.split_calls += len(self.stack.sequence_parts(*args[8:11])) > 2
+        return super().forward(*args)
+
+
+def split_steps(num_seqs: int, block_size: int):
+    """Prompts of 1-9 tokens in one step (an unread chunk among them, so a run may read no
+    rows), their decodes with a prompt's second chunk, then decodes alone: a step each."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [
+        torch.randint(1, 200, (1 + s % 9,), generator=generator).tolist() for s in range(num_seqs)
+    ]
+    blocks = [tuple(range(s * 4, (s + 1) * 4)) for s in range(num_seqs)]
+    first = [SequenceChunk(tuple(p), 0, blocks[s], True) for s, p in enumerate(prompts)]
+    first[-1] = SequenceChunk(tuple(prompts[-1][:1]), 0, blocks[-1], False)  # chunked prompt
+    second = [SequenceChunk((7,), len(p), blocks[s], True) for s, p in enumerate(prompts)]
+    second[-1] = SequenceChunk(tuple(prompts[-1][1:]), 1, blocks[-1], True)
+    third = [SequenceChunk((9,), len(p) + 1, blocks[s], True) for s, p in enumerate(prompts)]
+    assert 4 * block_size >= 11
+    return [first, second, third]
+
+
+def test_steps_split_by_sequences_give_the_bits_of_whole_steps(tiny_model_dir):
+    """With two threads a step of enough rows runs as two runs of sequences, a thread each
+    through every layer: the logits of every step are the bits of the same step run whole."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        split, whole = (runner_for(tiny_model_dir, max_num_seqs=40) for _ in range(2))
+        counting = SplitCountingStack(split.model.model.native_stack)
+        split.model.model.native_stack = counting
+        whole.model.model.native_stack.set_split_sequences(False)
+        for step in split_steps(40, split.block_size):
+            assert torch.equal(split.execute(step), whole.execute(step))
+    finally:
+        torch.set_num_threads(threads)
+    assert counting.split_calls == 3
+
+
+def parts(stack, q_lens, seq_lens, output_rows=None):
+    starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return stack.sequence_parts(lens, starts, output_rows)
+
+
+def test_steps_split_where_the_runs_cost_alike(tiny_model_dir):
+    """Runs are cut at an even share of the step's cost (rows' linears and the keys they read);
+    a step stays whole with one thread, with too few rows for a run to be worth its weight
+    stream, with one sequence costing most of it, or with output rows out of token order."""
+    stack = runner_for(tiny_model_dir).model.model.native_stack
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert parts(stack, [1] * 32, [100] * 32) == [0, 16, 32]
+        # the first half's contexts are far longer: fewer of them fill a share
+        cut = parts(stack, [1] * 64, [1000] * 32 + [10] * 32)[1]
+        assert 12 < cut < 32
+        assert parts(stack, [1] * 16, [100] * 16) == []  # 8 rows a run
+        assert parts(stack, [512] + [1] * 32, [512] + [100] * 32) == []
+        rows = torch.arange(0, 40, dtype=torch.int64)
+        assert parts(stack, [1] * 40, [50] * 40, rows) == [0, 20, 40]
+        assert parts(stack, [1] * 40, [50] * 40, rows.flip(0)) == []
+        stack.set_split_sequences(False)
+        assert parts(stack, [1] * 32, [100] * 32) == []
+        stack.set_split_sequences(True)
+        torch.set_num_threads(1)
+        assert parts(stack, [1] * 32, [100] * 32) == []
+    finally:
+        torch.set_num_threads(threads)
