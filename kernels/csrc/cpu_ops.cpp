@@ -78,14 +78,14 @@ inline void scale_in_place(float* y, float factor, int64_t n) {
   for (; d < n; ++d) y[d] *= factor;
 }
 
+// Threads a kernel may share its work among: one inside a parallel region, where
+// at::parallel_for runs inline (a decoder stack's step split by sequences, a run a thread).
+inline int64_t pool_threads() { return at::in_parallel_region() ? 1 : at::get_num_threads(); }
+
 // Runs `work(item, following, worker)` for every item in `order`, items handed out one at a
 // time to the pool's threads (costs differ a lot between items: a static split would idle
 // threads). A thread claims its following item (-1: none) before it works on this one, so the
 // work can ask for what the following one reads.
-// Threads a kernel may share its work among: one inside a parallel region, where
-// at::parallel_for runs inline (a decoder stack's step split by sequences, a part a thread).
-inline int64_t pool_threads() { return at::in_parallel_region() ? 1 : at::get_num_threads(); }
-
 template <typename F>
 void parallel_items(const std::vector<int64_t>& order, const F& work) {
   const int64_t num_items = static_cast<int64_t>(order.size());
@@ -2094,7 +2094,7 @@ class DecoderStack {
                     seq_lens.is_contiguous() && query_start_loc.is_contiguous() &&
                     query_start_loc.numel() == seq_lens.numel() + 1,
                 "seq_lens and query_start_loc (one longer) must be contiguous int32");
-    const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+    const int64_t threads = pool_threads();
     const int64_t num_seqs = seq_lens.size(0);
     const int32_t* lens = seq_lens.data_ptr<int32_t>();
     const int32_t* starts = query_start_loc.data_ptr<int32_t>();

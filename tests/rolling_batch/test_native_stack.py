@@ -125,6 +125,7 @@ class SplitCountingStack(CountingStack):
 def split_steps(num_seqs: int, block_size: int):
     """Prompts of 1-9 tokens in one step (an unread chunk among them, so a run may read no
     rows), their decodes with a prompt's second chunk, then decodes alone: a step each."""
+    assert 4 * block_size >= 9 + 2  # four blocks a sequence hold its longest context
     generator = torch.Generator().manual_seed(3)
     prompts = [
         torch.randint(1, 200, (1 + s % 9,), generator=generator).tolist() for s in range(num_seqs)
@@ -135,7 +136,6 @@ def split_steps(num_seqs: int, block_size: int):
     second = [SequenceChunk((7,), len(p), blocks[s], True) for s, p in enumerate(prompts)]
     second[-1] = SequenceChunk(tuple(prompts[-1][1:]), 1, blocks[-1], True)
     third = [SequenceChunk((9,), len(p) + 1, blocks[s], True) for s, p in enumerate(prompts)]
-    assert 4 * block_size >= 11
     return [first, second, third]
 
 
