@@ -2005,7 +2005,7 @@ struct DecoderLayer {
 };
 
 // A step split by sequences (DecoderStack::sequence_parts): how much more than an even share of
-// its cost one thread's run may take, and the fewest query rows a run may have.
+// its cost one thread's run may take, and the fewest decodes a run may have.
 constexpr double kSplitSlack = 1.15;
 constexpr int64_t kSplitMinRows = 12;
 
@@ -2085,9 +2085,14 @@ class DecoderStack {
   // itself. Alternating in one process on a 2-core Zen 4 (SmolLM2-135M, fp32): decodes of 32
   // at 100 keys 1.05-1.07x faster split, of 64 at 200 keys 1.02-1.09x, 24 at 150 1.03x; 16 at
   // 100 0.95x and 4 at 100 0.78x (bound by the weight stream, which a split doubles); prompt
-  // steps of 1,024-2,048 tokens level. Runs are cut where the cost (a query row's linears plus
-  // the keys it reads) comes nearest an even share; a step splits only where no run gets more
-  // than kSplitSlack times its share and every run has kSplitMinRows query rows.
+  // steps of 1,024-2,048 tokens level. Served, a thread's run is fixed where a whole op's work
+  // units go to whichever thread is free, and a burst's prompt steps share the cores with the
+  // web workers taking its requests in: the mixed burst's TTFT p50 was 0.26-0.51 s higher
+  // split in three rounds of three, and still 7.55 s in one of three with prompt steps of over
+  // 512 rows whole (4.72-5.32 whole). So only a step of decodes (a query row a sequence)
+  // splits. Runs are cut where the cost (a query row's linears plus the keys it reads) comes
+  // nearest an even share; a step splits only where no run gets more than kSplitSlack times
+  // its share and every run has kSplitMinRows decodes.
   std::vector<int64_t> sequence_parts(const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                                       const std::optional<at::Tensor>& output_rows) const {
     TORCH_CHECK(seq_lens.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
@@ -2099,17 +2104,13 @@ class DecoderStack {
     const int32_t* lens = seq_lens.data_ptr<int32_t>();
     const int32_t* starts = query_start_loc.data_ptr<int32_t>();
     if (!split_sequences_ || threads < 2 || num_seqs < threads) return {};
-    if (starts[num_seqs] < threads * kSplitMinRows) return {};
+    if (starts[num_seqs] != num_seqs || num_seqs < threads * kSplitMinRows) return {};
     if (output_rows.has_value() && output_rows->numel() > 1) {
       // The runs' outputs are concatenated: the rows must come in token order.
       if (!output_rows->diff().gt(0).all().item<bool>()) return {};
     }
     std::vector<double> cost(num_seqs + 1, 0.0);  // of the sequences before each
-    for (int64_t s = 0; s < num_seqs; ++s) {
-      const double q_len = starts[s + 1] - starts[s];
-      const double mean_keys = lens[s] - (q_len - 1) / 2;  // a causal chunk's rows see fewer
-      cost[s + 1] = cost[s] + q_len * (row_keys_ + mean_keys);
-    }
+    for (int64_t s = 0; s < num_seqs; ++s) cost[s + 1] = cost[s] + row_keys_ + lens[s];
     const double share = cost[num_seqs] / threads;
     std::vector<int64_t> bounds{0};
     for (int64_t part = 1; part <= threads; ++part) {

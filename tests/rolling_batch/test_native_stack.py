@@ -123,8 +123,7 @@ class SplitCountingStack(CountingStack):
 
 
 def split_steps(num_seqs: int, block_size: int):
-    """Prompts of 1-9 tokens in one step (an unread chunk among them, so a run may read no
-    rows), their decodes with a prompt's second chunk, then decodes alone: a step each."""
+    """Prompts of 1-9 tokens in one step, then two steps of their decodes."""
     assert 4 * block_size >= 9 + 2  # four blocks a sequence hold its longest context
     generator = torch.Generator().manual_seed(3)
     prompts = [
@@ -132,16 +131,15 @@ def split_steps(num_seqs: int, block_size: int):
     ]
     blocks = [tuple(range(s * 4, (s + 1) * 4)) for s in range(num_seqs)]
     first = [SequenceChunk(tuple(p), 0, blocks[s], True) for s, p in enumerate(prompts)]
-    first[-1] = SequenceChunk(tuple(prompts[-1][:1]), 0, blocks[-1], False)  # chunked prompt
     second = [SequenceChunk((7,), len(p), blocks[s], True) for s, p in enumerate(prompts)]
-    second[-1] = SequenceChunk(tuple(prompts[-1][1:]), 1, blocks[-1], True)
     third = [SequenceChunk((9,), len(p) + 1, blocks[s], True) for s, p in enumerate(prompts)]
     return [first, second, third]
 
 
 def test_steps_split_by_sequences_give_the_bits_of_whole_steps(tiny_model_dir):
-    """With two threads a step of enough rows runs as two runs of sequences, a thread each
-    through every layer: the logits of every step are the bits of the same step run whole."""
+    """With two threads a step of enough decodes runs as two runs of sequences, a thread each
+    through every layer: their logits are the bits of the same steps run whole (the prompt
+    step stays whole either way)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -153,7 +151,7 @@ def test_steps_split_by_sequences_give_the_bits_of_whole_steps(tiny_model_dir):
             assert torch.equal(split.execute(step), whole.execute(step))
     finally:
         torch.set_num_threads(threads)
-    assert counting.split_calls == 3
+    assert counting.split_calls == 2
 
 
 def parts(stack, q_lens, seq_lens, output_rows=None):
@@ -163,9 +161,9 @@ def parts(stack, q_lens, seq_lens, output_rows=None):
 
 
 def test_steps_split_where_the_runs_cost_alike(tiny_model_dir):
-    """Runs are cut at an even share of the step's cost (rows' linears and the keys they read);
-    a step stays whole with one thread, with too few rows for a run to be worth its weight
-    stream, with one sequence costing most of it, or with output rows out of token order."""
+    """Runs of decodes are cut at an even share of the step's cost (rows' linears and the keys
+    they read); a step stays whole with one thread, with too few decodes for a run to be worth
+    its weight stream, with a prompt chunk in it, or with output rows out of token order."""
     stack = runner_for(tiny_model_dir).model.model.native_stack
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -175,7 +173,7 @@ def test_steps_split_where_the_runs_cost_alike(tiny_model_dir):
         cut = parts(stack, [1] * 64, [1000] * 32 + [10] * 32)[1]
         assert 12 < cut < 32
         assert parts(stack, [1] * 16, [100] * 16) == []  # 8 rows a run
-        assert parts(stack, [512] + [1] * 32, [512] + [100] * 32) == []
+        assert parts(stack, [1] * 32 + [2], [100] * 32 + [2]) == []  # a prompt chunk
         rows = torch.arange(0, 40, dtype=torch.int64)
         assert parts(stack, [1] * 40, [50] * 40, rows) == [0, 20, 40]
         assert parts(stack, [1] * 40, [50] * 40, rows.flip(0)) == []
