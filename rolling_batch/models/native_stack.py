@@ -4,7 +4,7 @@ the CPU has AVX512-BF16, others through oneDNN): the same ops as `LlamaModel.for
 layers, in the same order, so the same bits, without Python between them. A step's weight
 stream evicts the interpreter's working set every layer, so its ~10 calls a layer cost 4.5 ms
 of a 25 ms batch-1 decode step on a 2-core Xeon (1.5 ms with warm caches; benchmarks/README.md,
-performance log). A step of enough rows runs as runs of sequences, one a thread, each through
+performance log). A step of enough decodes runs as runs of sequences, one a thread, each through
 every layer alone (`sequence_parts`): no wait between the threads from op to op.
 """
 
