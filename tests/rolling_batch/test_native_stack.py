@@ -163,7 +163,7 @@ def parts(stack, q_lens, seq_lens, output_rows=None):
 def test_steps_split_where_the_runs_cost_alike(tiny_model_dir):
     """Runs of decodes are cut at an even share of the step's cost (rows' linears and the keys
     they read); a step stays whole with one thread, with too few decodes for a run to be worth
-    its weight stream, with a prompt chunk in it, or with output rows out of token order."""
+    its weight stream, with a prompt chunk in it, or with rows left unread."""
     stack = runner_for(tiny_model_dir).model.model.native_stack
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -174,9 +174,8 @@ def test_steps_split_where_the_runs_cost_alike(tiny_model_dir):
         assert 12 < cut < 32
         assert parts(stack, [1] * 16, [100] * 16) == []  # 8 rows a run
         assert parts(stack, [1] * 32 + [2], [100] * 32 + [2]) == []  # a prompt chunk
-        rows = torch.arange(0, 40, dtype=torch.int64)
-        assert parts(stack, [1] * 40, [50] * 40, rows) == [0, 20, 40]
-        assert parts(stack, [1] * 40, [50] * 40, rows.flip(0)) == []
+        some_rows = torch.arange(0, 39, dtype=torch.int64)
+        assert parts(stack, [1] * 40, [50] * 40, some_rows) == []
         stack.set_split_sequences(False)
         assert parts(stack, [1] * 32, [100] * 32) == []
         stack.set_split_sequences(True)
