@@ -383,6 +383,7 @@ struct AttentionState {
   std::vector<const at::BFloat16*> keys_bf16;
   RowsAhead ahead;  // empty where the rows are asked for a chunk at a time
   int64_t next_asked = 0;  // the next item's first keys asked for during this one's last chunk
+  std::vector<float> decode_buffer;  // attend_decode's query rows, scores and sums
 
   void reset(int64_t num_rows, int64_t head_dim) {
     rows = num_rows;
@@ -750,6 +751,225 @@ void attend_keys(const AttentionCall<T>& call, const KeyRange& range, const KeyR
   }
 }
 
+// ---- A decode's item in fp32: one query token (a decode, or a prompt tile's last token
+// alone), its query heads of one KV head as rows, every key up to its own.
+//
+// The general path above stages every chunk of 64 keys (pointers written to three arrays,
+// masks, a softmax per chunk, a rescale of the sums), which at a decode's few rows costs more
+// than reading the key: on a 2-core Zen 4 ~30 ns a key and KV head on one thread, where one
+// core's share of the memory stream is ~38 ns. Here a decode goes in three tight passes: every
+// key's scores (each K row read once for all rows, a vector of keys reduced together), one
+// softmax over the whole context (exp over whole vectors of keys), then P V (each V row read
+// once). The rows are read in place through the block table, kAheadKeys keys ahead of use; the
+// first V rows are asked for while the last keys score, and the thread's next item's first K
+// rows while the last V rows accumulate. Zen 4, 30 layers' attention over 64 decodes of 200
+// keys: 1.59x faster with one layer's cache (39 MB) read 30 times, level from memory (~22 GB/s
+// of K/V either way); a whole decode step (the stack split by sequences, one thread's attention beside
+// the other's linears) 1.025-1.07x faster, 64 x 200 keys 115.6 -> 111.1 ms.
+
+// Walks one KV head's rows of a sequence, key by key, through its block table: no division a
+// key.
+struct RowCursor {
+  const float* cache;
+  const int32_t* table;
+  int64_t block_size, row_stride, head_offset;
+  int64_t block = 0, in_block = 0;
+
+  const float* row() const {
+    return cache + (table[block] * block_size + in_block) * row_stride + head_offset;
+  }
+  void advance() {
+    if (++in_block == block_size) {
+      in_block = 0;
+      ++block;
+    }
+  }
+};
+
+inline void ask_lines(const float* row, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(row) + at, _MM_HINT_T1);
+  }
+}
+
+// Where a decode may take the fast path: fp32 rows of whole vectors, few enough query heads a
+// KV head and vectors a row for the query rows and P V's sums to stay in registers.
+template <typename T>
+bool fast_decode(const AttentionItem& item, const AttentionCall<T>& call) {
+  return std::is_same_v<T, float> && item.kind == ItemKind::kWhole &&
+         item.token_end - item.token_begin == 1 && call.d % Vec::size() == 0 &&
+         call.heads_per_kv <= kOutRows && call.d <= 8 * Vec::size();
+}
+
+// scores[r][t] = q[r] . K[t] for the item's keys (R rows, DV vectors of head_dim), asking for
+// the K row kAheadKeys keys ahead of the one scored, and in the last keys for pass three's
+// first V rows instead.
+template <int R, int DV>
+void decode_scores(const float* q, RowCursor keys, RowCursor ahead_keys, RowCursor ahead_values,
+                   int64_t num_keys, const float* zeros, float* scores, int64_t stride) {
+  constexpr int64_t d = DV * Vec::size();
+  constexpr int64_t bytes = d * sizeof(float);
+  Vec qv[R][DV];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < DV; ++v) qv[r][v] = Vec::loadu(q + r * d + v * Vec::size());
+  }
+  for (int64_t t = 0; t < kAheadKeys && t < num_keys; ++t) ahead_keys.advance();
+  int64_t asked_values = 0;
+  Vec sums[R][Vec::size()];
+  for (int64_t t0 = 0; t0 < num_keys; t0 += Vec::size()) {
+    for (int64_t j = 0; j < Vec::size(); ++j) {
+      const int64_t t = t0 + j;
+      if (t + kAheadKeys < num_keys) {
+        ask_lines(ahead_keys.row(), bytes);
+        ahead_keys.advance();
+      } else if (asked_values < std::min<int64_t>(kAheadKeys, num_keys) && t < num_keys) {
+        ask_lines(ahead_values.row(), bytes);
+        ahead_values.advance();
+        ++asked_values;
+      }
+      const float* row = zeros;
+      if (t < num_keys) {
+        row = keys.row();
+        keys.advance();
+      }
+      Vec k[DV];
+      for (int v = 0; v < DV; ++v) k[v] = Vec::loadu(row + v * Vec::size());
+      for (int r = 0; r < R; ++r) {
+        Vec acc = qv[r][0] * k[0];
+        for (int v = 1; v < DV; ++v) acc = at::vec::fmadd(qv[r][v], k[v], acc);
+        sums[r][j] = acc;
+      }
+    }
+    for (int r = 0; r < R; ++r) sum_each(sums[r]).store(scores + r * stride + t0);
+  }
+}
+
+// acc[r] = sum over keys t of weights[r][t] * V[t] for R rows, head_dim in passes of out_vecs
+// vectors; the first pass asks for the V rows ahead, then for `next_keys` (the following
+// item's first K rows) past its end.
+template <int R>
+void decode_values(const float* weights, int64_t stride, RowCursor values, RowCursor ahead,
+                   RowCursor* next_keys, int64_t next_count, int64_t num_keys, int64_t d,
+                   float* acc) {
+  constexpr int J = out_vecs(R);
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(float));
+  for (int64_t t = 0; t < kAheadKeys && t < num_keys; ++t) ahead.advance();
+  for (int64_t j0 = 0; j0 < d; j0 += J * Vec::size()) {
+    with_count<J>(std::min<int64_t>(J, (d - j0) / Vec::size()), [&](auto count) {
+      constexpr int DV = decltype(count)::value;
+      Vec a[R][DV];
+      for (int r = 0; r < R; ++r) {
+        for (int v = 0; v < DV; ++v) a[r][v] = Vec(0.f);
+      }
+      RowCursor rows = values;
+      int64_t asked_next = 0;
+      for (int64_t t = 0; t < num_keys; ++t) {
+        if (j0 == 0) {
+          if (t + kAheadKeys < num_keys) {
+            ask_lines(ahead.row(), bytes);
+            ahead.advance();
+          } else if (next_keys != nullptr && asked_next < next_count) {
+            ask_lines(next_keys->row(), bytes);
+            next_keys->advance();
+            ++asked_next;
+          }
+        }
+        const float* row = rows.row() + j0;
+        rows.advance();
+        Vec v[DV];
+        for (int i = 0; i < DV; ++i) v[i] = Vec::loadu(row + i * Vec::size());
+        for (int r = 0; r < R; ++r) {
+          const Vec w(weights[r * stride + t]);
+          for (int i = 0; i < DV; ++i) a[r][i] = at::vec::fmadd(w, v[i], a[r][i]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        for (int v = 0; v < DV; ++v) a[r][v].store(acc + r * d + j0 + v * Vec::size());
+      }
+    });
+  }
+}
+
+// Softmax over a row's `num_keys` scores in place (the lanes past them, up to whole vectors,
+// are -inf first); 1 / the weights' sum.
+inline float softmax_row(float* s, int64_t num_keys) {
+  const int64_t padded = (num_keys + Vec::size() - 1) / Vec::size() * Vec::size();
+  std::fill(s + num_keys, s + padded, kNegInf);
+  Vec maxima(kNegInf);
+  for (int64_t t = 0; t < padded; t += Vec::size()) {
+    maxima = at::vec::maximum(maxima, Vec::loadu(s + t));
+  }
+  const Vec shift(at::vec::vec_reduce_all<float>(
+      [](Vec a, Vec b) { return at::vec::maximum(a, b); }, maxima));
+  Vec sums(0.f);
+  for (int64_t t = 0; t < padded; t += Vec::size()) {
+    const Vec p = (Vec::loadu(s + t) - shift).exp();
+    p.store(s + t);
+    sums = sums + p;
+  }
+  return 1.f / at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, sums);
+}
+
+// A decode item (fast_decode) into its output rows; `following`: the thread's next item.
+void attend_decode(const AttentionItem& item, const AttentionItem* following,
+                   const AttentionCall<float>& call, AttentionState& state) {
+  const int64_t d = call.d, rows = call.heads_per_kv, num_keys = item.key_end;
+  const int64_t stride = (num_keys + Vec::size() - 1) / Vec::size() * Vec::size();
+  state.decode_buffer.resize(rows * d + rows * stride + rows * d + d);
+  float* q = state.decode_buffer.data();
+  float* scores = q + rows * d;
+  float* acc = scores + rows * stride;
+  float* zeros = acc + rows * d;
+  std::fill(zeros, zeros + d, 0.f);
+  const float* query =
+      call.query + (call.starts[item.seq] + item.token_begin) * call.q_token_stride;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = query + (item.kv_head * rows + r) * call.q_head_stride;
+    for (int64_t i = 0; i < d; ++i) q[r * d + i] = src[i] * call.scale;
+  }
+  const int64_t row_stride = call.kv_heads * d;
+  const auto cursor = [&](const float* cache, int64_t seq, int64_t kv_head) {
+    return RowCursor{cache, call.table(seq), call.block_size, row_stride, kv_head * d};
+  };
+  const RowCursor keys = cursor(call.k_cache, item.seq, item.kv_head);
+  const RowCursor values = cursor(call.v_cache, item.seq, item.kv_head);
+  // The first K rows, less those the item before asked for.
+  RowCursor first = keys;
+  for (int64_t t = 0; t < std::min(kAheadKeys, num_keys); ++t, first.advance()) {
+    if (t >= state.next_asked) ask_lines(first.row(), d * sizeof(float));
+  }
+  with_count<kOutRows>(rows, [&](auto count) {
+    constexpr int R = decltype(count)::value;
+    with_count<8>(d / Vec::size(), [&](auto vecs) {
+      decode_scores<R, decltype(vecs)::value>(q, keys, keys, values, num_keys, zeros, scores,
+                                               stride);
+    });
+  });
+  float inverse_sums[kOutRows];
+  for (int64_t r = 0; r < rows; ++r) inverse_sums[r] = softmax_row(scores + r * stride, num_keys);
+  // A following decode's first K rows go out during the last V rows (its start then skips
+  // them); another kind of item asks for its own first rows, K and V, at once.
+  RowCursor next{};
+  int64_t next_count = 0;
+  if (following != nullptr && fast_decode(*following, call)) {
+    next = cursor(call.k_cache, following->seq, following->kv_head);
+    next_count = std::min(kAheadKeys, following->key_end);
+  }
+  with_count<kOutRows>(rows, [&](auto count) {
+    decode_values<decltype(count)::value>(scores, stride, values, values,
+                                          next_count > 0 ? &next : nullptr, next_count,
+                                          num_keys, d, acc);
+  });
+  state.next_asked = next_count;
+  float* out = call.out + call.out_offset(item.seq, item.token_begin, item.kv_head * rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const Vec factor(inverse_sums[r]);
+    for (int64_t i = 0; i < d; i += Vec::size()) {
+      (Vec::loadu(acc + r * d + i) * factor).store(out + r * d + i);
+    }
+  }
+}
+
 // A shared item's keys sit in the same slots for every member: any member's table reads them.
 template <typename T>
 KeyRange key_range(const AttentionItem& item, const AttentionCall<T>& call) {
@@ -760,6 +980,9 @@ KeyRange key_range(const AttentionItem& item, const AttentionCall<T>& call) {
 template <typename T>
 void attend_item(const AttentionItem& item, const AttentionItem* following,
                  const AttentionCall<T>& call, AttentionState& state) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (fast_decode(item, call)) return attend_decode(item, following, call, state);
+  }
   const int64_t d = call.d;
   const int64_t rows = item_tokens(item, *call.groups) * call.heads_per_kv;
   state.reset(rows, d);

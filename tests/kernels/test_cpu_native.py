@@ -67,6 +67,25 @@ def test_paged_attention_streaming_ahead_over_long_contexts(native):
     close(native.paged_attention(*attention_args(case, 0.125)), contiguous_attention(case, 0.125))
 
 
+# Decodes of 1 to 600 keys: shorter and longer than the 32 keys rows are asked for ahead,
+# whole and partial vectors of keys, one block or many; a prompt chunk between them.
+FP32_DECODES = [(1, 1), (16, 1), (31, 1), (33, 1), (600, 1), (2, 1), (40, 6), (129, 1), (64, 1)]
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize(
+    ("q_heads", "kv_heads", "head_dim"),
+    # fp32 decodes of 1-4 query heads a KV head and head_dim in whole vectors take their own
+    # three-pass path (head_dim up to 8 vectors); 8 a KV head, or 72, go the general way.
+    [(2, 2, 16), (4, 2, 32), (12, 3, 64), (8, 4, 128), (8, 1, 64), (6, 2, 72)],
+)
+def test_paged_attention_fp32_decodes_of_every_shape_equal_reference(
+    native, block_size, q_heads, kv_heads, head_dim
+):
+    case = make_case(FP32_DECODES, block_size, q_heads, kv_heads, head_dim, seed=7)
+    close(native.paged_attention(*attention_args(case, 0.2)), contiguous_attention(case, 0.2))
+
+
 def test_paged_attention_reads_query_heads_from_a_fused_qkv_row(native):
     """The attention layer passes the query as a view into the QKV projection's output."""
     case = make_case(SCENARIOS["chunked"], 4, 6, 2, 16)
