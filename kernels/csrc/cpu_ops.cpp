@@ -960,7 +960,8 @@ void attend_decode(const AttentionItem& item, const AttentionItem* following,
                                           next_count > 0 ? &next : nullptr, next_count,
                                           num_keys, d, acc);
   });
-  state.next_asked = next_count;
+  // (asked during this decode's last kAheadKeys keys, so no more than it has)
+  state.next_asked = std::min(next_count, num_keys);
   float* out = call.out + call.out_offset(item.seq, item.token_begin, item.kv_head * rows);
   for (int64_t r = 0; r < rows; ++r) {
     const Vec factor(inverse_sums[r]);

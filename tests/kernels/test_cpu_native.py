@@ -68,16 +68,24 @@ def test_paged_attention_streaming_ahead_over_long_contexts(native):
 
 
 # Decodes of 1 to 600 keys: shorter and longer than the 32 keys rows are asked for ahead,
-# whole and partial vectors of keys, one block or many; a prompt chunk between them.
-FP32_DECODES = [(1, 1), (16, 1), (31, 1), (33, 1), (600, 1), (2, 1), (40, 6), (129, 1), (64, 1)]
+# whole and partial vectors of keys, one block or many; between them a prompt chunk, and a
+# prompt of 17 tokens whose second query tile is its last token alone (a decode's shape).
+FP32_DECODES = [
+    *[(1, 1), (16, 1), (31, 1), (33, 1), (600, 1), (2, 1), (40, 6), (129, 1), (64, 1)],
+    *[(17, 17), (5, 1)],
+]
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 @pytest.mark.parametrize(
     ("q_heads", "kv_heads", "head_dim"),
     # fp32 decodes of 1-4 query heads a KV head and head_dim in whole vectors take their own
-    # three-pass path (head_dim up to 8 vectors); 8 a KV head, or 72, go the general way.
-    [(2, 2, 16), (4, 2, 32), (12, 3, 64), (8, 4, 128), (8, 1, 64), (6, 2, 72)],
+    # three-pass path (head_dim up to 8 vectors: 1-8 on AVX-512, 2-8 on AVX2); 8 a KV head, or
+    # head_dim 72 (not whole vectors on AVX-512, 9 on AVX2), go the general way.
+    [
+        *[(2, 2, 16), (4, 2, 32), (9, 3, 48), (12, 3, 64), (8, 4, 96), (8, 4, 128)],
+        *[(8, 1, 64), (6, 2, 72)],
+    ],
 )
 def test_paged_attention_fp32_decodes_of_every_shape_equal_reference(
     native, block_size, q_heads, kv_heads, head_dim
