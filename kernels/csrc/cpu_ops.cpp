@@ -294,6 +294,13 @@ __attribute__((target("avx512bf16"))) void score_keys_bf16(const at::BFloat16* q
 // then take turns: on a 2-core Zen 4, 64 decodes of 250 keys over 30 layers' caches took 1.2x
 // as long that way.
 constexpr int64_t kAheadKeys = 32;
+
+// Asks for every line of a K or V row of `bytes` into L2.
+inline void ask_lines(const void* row, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) {
+    _mm_prefetch(static_cast<const char*>(row) + at, _MM_HINT_T1);
+  }
+}
 // A call reading less K/V than this asks for whole chunks: its misses can all be in flight at
 // once (a lone decode of 288 keys ran 15% faster so on Zen 4; 2 of 1,000 keys 1.3x slower).
 constexpr int64_t kStreamAheadBytes = 1 << 20;
@@ -314,9 +321,7 @@ struct RowsAhead {
   }
   // While keys t0..t0+n of this chunk score.
   void ask_keys(int64_t t0, int64_t n) const {
-    for (int64_t t = t0 + lead; t < std::min(t0 + lead + n, count); ++t) {
-      for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(keys[t] + at, _MM_HINT_T1);
-    }
+    for (int64_t t = t0 + lead; t < std::min(t0 + lead + n, count); ++t) ask_lines(keys[t], bytes);
   }
   // The V rows asked for while keys 0..n accumulate: key t asks for row t + lead, if any.
   int64_t values_asked(int64_t n) const { return std::clamp<int64_t>(count - lead, 0, n); }
@@ -654,10 +659,8 @@ template <typename T>
 void prefetch_rows(const T* const* keys, const T* const* values, int64_t count, int64_t d) {
   const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
   for (int64_t t = 0; t < count; ++t) {
-    for (int64_t at = 0; at < bytes; at += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(keys[t]) + at, _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(values[t]) + at, _MM_HINT_T1);
-    }
+    ask_lines(keys[t], bytes);
+    ask_lines(values[t], bytes);
   }
 }
 
@@ -764,8 +767,8 @@ void attend_keys(const AttentionCall<T>& call, const KeyRange& range, const KeyR
 // first V rows are asked for while the last keys score, and the thread's next item's first K
 // rows while the last V rows accumulate. Zen 4, 30 layers' attention over 64 decodes of 200
 // keys: 1.59x faster with one layer's cache (39 MB) read 30 times, level from memory (~22 GB/s
-// of K/V either way); a whole decode step (the stack split by sequences, one thread's attention beside
-// the other's linears) 1.025-1.07x faster, 64 x 200 keys 115.6 -> 111.1 ms.
+// of K/V either way); a whole decode step (the stack split by sequences, one thread's
+// attention beside the other's linears) 1.025-1.07x faster, 64 x 200 keys 115.6 -> 111.1 ms.
 
 // Walks one KV head's rows of a sequence, key by key, through its block table: no division a
 // key.
@@ -786,33 +789,29 @@ struct RowCursor {
   }
 };
 
-inline void ask_lines(const float* row, int64_t bytes) {
-  for (int64_t at = 0; at < bytes; at += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(row) + at, _MM_HINT_T1);
-  }
-}
-
 // Where a decode may take the fast path: fp32 rows of whole vectors, few enough query heads a
 // KV head and vectors a row for the query rows and P V's sums to stay in registers.
+constexpr int kDecodeMaxVecs = 8;
 template <typename T>
 bool fast_decode(const AttentionItem& item, const AttentionCall<T>& call) {
   return std::is_same_v<T, float> && item.kind == ItemKind::kWhole &&
          item.token_end - item.token_begin == 1 && call.d % Vec::size() == 0 &&
-         call.heads_per_kv <= kOutRows && call.d <= 8 * Vec::size();
+         call.heads_per_kv <= kOutRows && call.d <= kDecodeMaxVecs * Vec::size();
 }
 
 // scores[r][t] = q[r] . K[t] for the item's keys (R rows, DV vectors of head_dim), asking for
 // the K row kAheadKeys keys ahead of the one scored, and in the last keys for pass three's
 // first V rows instead.
 template <int R, int DV>
-void decode_scores(const float* q, RowCursor keys, RowCursor ahead_keys, RowCursor ahead_values,
-                   int64_t num_keys, const float* zeros, float* scores, int64_t stride) {
+void decode_scores(const float* q, RowCursor keys, RowCursor ahead_values, int64_t num_keys,
+                   const float* zeros, float* scores, int64_t stride) {
   constexpr int64_t d = DV * Vec::size();
   constexpr int64_t bytes = d * sizeof(float);
   Vec qv[R][DV];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < DV; ++v) qv[r][v] = Vec::loadu(q + r * d + v * Vec::size());
   }
+  RowCursor ahead_keys = keys;
   for (int64_t t = 0; t < kAheadKeys && t < num_keys; ++t) ahead_keys.advance();
   int64_t asked_values = 0;
   Vec sums[R][Vec::size()];
@@ -845,14 +844,14 @@ void decode_scores(const float* q, RowCursor keys, RowCursor ahead_keys, RowCurs
 }
 
 // acc[r] = sum over keys t of weights[r][t] * V[t] for R rows, head_dim in passes of out_vecs
-// vectors; the first pass asks for the V rows ahead, then for `next_keys` (the following
-// item's first K rows) past its end.
+// vectors; the first pass asks for the V rows ahead, then for the first `next_count` rows of
+// `next_keys` (the following item's K rows) past its end.
 template <int R>
-void decode_values(const float* weights, int64_t stride, RowCursor values, RowCursor ahead,
-                   RowCursor* next_keys, int64_t next_count, int64_t num_keys, int64_t d,
-                   float* acc) {
+void decode_values(const float* weights, int64_t stride, RowCursor values, RowCursor next_keys,
+                   int64_t next_count, int64_t num_keys, int64_t d, float* acc) {
   constexpr int J = out_vecs(R);
   const int64_t bytes = d * static_cast<int64_t>(sizeof(float));
+  RowCursor ahead = values;
   for (int64_t t = 0; t < kAheadKeys && t < num_keys; ++t) ahead.advance();
   for (int64_t j0 = 0; j0 < d; j0 += J * Vec::size()) {
     with_count<J>(std::min<int64_t>(J, (d - j0) / Vec::size()), [&](auto count) {
@@ -868,9 +867,9 @@ void decode_values(const float* weights, int64_t stride, RowCursor values, RowCu
           if (t + kAheadKeys < num_keys) {
             ask_lines(ahead.row(), bytes);
             ahead.advance();
-          } else if (next_keys != nullptr && asked_next < next_count) {
-            ask_lines(next_keys->row(), bytes);
-            next_keys->advance();
+          } else if (asked_next < next_count) {
+            ask_lines(next_keys.row(), bytes);
+            next_keys.advance();
             ++asked_next;
           }
         }
@@ -940,9 +939,8 @@ void attend_decode(const AttentionItem& item, const AttentionItem* following,
   }
   with_count<kOutRows>(rows, [&](auto count) {
     constexpr int R = decltype(count)::value;
-    with_count<8>(d / Vec::size(), [&](auto vecs) {
-      decode_scores<R, decltype(vecs)::value>(q, keys, keys, values, num_keys, zeros, scores,
-                                               stride);
+    with_count<kDecodeMaxVecs>(d / Vec::size(), [&](auto vecs) {
+      decode_scores<R, decltype(vecs)::value>(q, keys, values, num_keys, zeros, scores, stride);
     });
   });
   float inverse_sums[kOutRows];
@@ -956,18 +954,15 @@ void attend_decode(const AttentionItem& item, const AttentionItem* following,
     next_count = std::min(kAheadKeys, following->key_end);
   }
   with_count<kOutRows>(rows, [&](auto count) {
-    decode_values<decltype(count)::value>(scores, stride, values, values,
-                                          next_count > 0 ? &next : nullptr, next_count,
-                                          num_keys, d, acc);
+    decode_values<decltype(count)::value>(scores, stride, values, next, next_count, num_keys, d,
+                                          acc);
   });
   // (asked during this decode's last kAheadKeys keys, so no more than it has)
   state.next_asked = std::min(next_count, num_keys);
   float* out = call.out + call.out_offset(item.seq, item.token_begin, item.kv_head * rows);
   for (int64_t r = 0; r < rows; ++r) {
-    const Vec factor(inverse_sums[r]);
-    for (int64_t i = 0; i < d; i += Vec::size()) {
-      (Vec::loadu(acc + r * d + i) * factor).store(out + r * d + i);
-    }
+    scale_in_place(acc + r * d, inverse_sums[r], d);
+    store_from_float(acc + r * d, out + r * d, d);
   }
 }
 
