@@ -909,6 +909,10 @@ inline float softmax_row(float* s, int64_t num_keys) {
   return 1.f / at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, sums);
 }
 
+// The decode items this thread has sent down the fast path (attend_decode): what the tests
+// read to know that a shape took it, with one thread so that every item runs on theirs.
+thread_local int64_t fast_decode_items = 0;
+
 // A decode item (fast_decode) into its output rows; `following`: the thread's next item.
 void attend_decode(const AttentionItem& item, const AttentionItem* following,
                    const AttentionCall<float>& call, AttentionState& state) {
@@ -977,7 +981,10 @@ template <typename T>
 void attend_item(const AttentionItem& item, const AttentionItem* following,
                  const AttentionCall<T>& call, AttentionState& state) {
   if constexpr (std::is_same_v<T, float>) {
-    if (fast_decode(item, call)) return attend_decode(item, following, call, state);
+    if (fast_decode(item, call)) {
+      ++fast_decode_items;
+      return attend_decode(item, following, call, state);
+    }
   }
   const int64_t d = call.d;
   const int64_t rows = item_tokens(item, *call.groups) * call.heads_per_kv;
@@ -2441,4 +2448,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("sequence_parts", &DecoderStack::sequence_parts)
       .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
   m.def("vector_width", [] { return static_cast<int64_t>(Vec::size()); });
+  m.def("fast_decode_items", [] { return fast_decode_items; });
 }

@@ -91,7 +91,22 @@ def test_paged_attention_fp32_decodes_of_every_shape_equal_reference(
     native, block_size, q_heads, kv_heads, head_dim
 ):
     case = make_case(FP32_DECODES, block_size, q_heads, kv_heads, head_dim, seed=7)
-    close(native.paged_attention(*attention_args(case, 0.2)), contiguous_attention(case, 0.2))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # every item on this thread, whose fast-path count we read
+    try:
+        before = native.fast_decode_items()
+        got = native.paged_attention(*attention_args(case, 0.2))
+        fast_items = native.fast_decode_items() - before
+    finally:
+        torch.set_num_threads(threads)
+    close(got, contiguous_attention(case, 0.2))
+    vectors, left = divmod(head_dim, native.vector_width())
+    if q_heads // kv_heads <= 4 and left == 0 and vectors <= 8:
+        # at least each one-token decode at every KV head
+        one_token = sum(1 for _, new_tokens in FP32_DECODES if new_tokens == 1)
+        assert fast_items >= one_token * kv_heads
+    else:
+        assert fast_items == 0
 
 
 def test_paged_attention_reads_query_heads_from_a_fused_qkv_row(native):
