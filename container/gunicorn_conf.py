@@ -10,7 +10,7 @@ and its steps are split between them: a web worker that wakes for a streamed tok
 core from one of them makes the other wait for it at the step's end. At nice 19 the scheduler
 seldom preempts an engine thread for them; they stay well served, needing a few percent of a
 core. One server on a 2-core Zen 4, rounds alternating nice 0 and 19 on the same prompts: the
-burst of 32 at 509 against 535 tokens/s (three rounds each), TTFT p50 1.13-1.20 against
+burst of 32 at 509 against 535 tokens/s (three rounds each), TTFT p50 1.15-1.25 against
 1.13 s (benchmarks/README.md, performance log).
 """
 
