@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from ..servers import Server, command_line, descendants, write_properties
+from ..servers import Server, command_line, write_properties
 
 
 def tiny_folder(tmp_path, tiny_model_dir, **extra):
@@ -69,21 +69,6 @@ def test_signal_stops_everything(tmp_path, tiny_model_dir, signum):
     assert (ipc_dir / "engine.sock").exists()
     assert server.stop(signum) == 0, server.log()
     assert not ipc_dir.exists()
-
-
-def test_web_workers_run_below_the_engines_priority(tmp_path, tiny_model_dir):
-    """Web workers that wake for every streamed token must not take cores from the engine."""
-    server = Server(tiny_folder(tmp_path, tiny_model_dir))
-    try:
-        server.wait_healthy()
-        web = [pid for pid in descendants(server.process.pid) if "gunicorn" in command_line(pid)]
-        assert len(web) == 3  # the master and its two workers
-        assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in web} == {19}
-        assert os.getpriority(os.PRIO_PROCESS, server.engine_pid()) == os.nice(0)
-        answer = requests.post(f"{server.url}/invocations", json={"inputs": "hi"}, timeout=60)
-        assert answer.status_code == 200
-    finally:
-        assert server.stop() == 0
 
 
 def test_start_up_log_names_engine_dtype_device_batching_and_source(tmp_path, tiny_model_dir):
