@@ -10,6 +10,15 @@ Blocks are reference-counted: several requests may hold one cached block. A bloc
 holds is free; a free block that is cached keeps its contents and its place in the table until
 the pool needs it: blocks never cached are handed out first, then cached ones, least recently
 used first (and they leave the table then).
+
+Runs: a request's blocks are given out as one run of consecutive ids where the pool allows, so
+attention streams each sequence's K/V as one span, not a block here and a block there. A
+request's first block starts a free run long enough for its prompt plus its max_new_tokens;
+the rest of that run is reserved for it and each later block it needs is the next one. A
+reservation is soft: when no unreserved free block is left, another request takes a reserved
+one (the owner then takes any free block), so reserving never refuses a request a block. On a
+2-core Zen 4, a decode step of 24 sequences of 1,000 tokens took 79-89 ms with each sequence's
+blocks consecutive and 95-114 ms with the same blocks shuffled (SmolLM2-135M, fp32).
 """
 
 from __future__ import annotations
@@ -18,13 +27,19 @@ from collections import OrderedDict
 
 from .request import Request
 
+_TAKEN, _AVAILABLE, _RESERVED = 0, 1, 2
+
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives block 0 first
+        # A block's state: _AVAILABLE (free), _RESERVED (free, the next of a request's run) or
+        # _TAKEN (held, or free and cached: then in _evictable). bytes.find looks for runs.
+        self._state = bytearray([_AVAILABLE]) * num_blocks
+        self._num_uncached_free = num_blocks  # _AVAILABLE or _RESERVED
+        self._runs: dict[str, list[int]] = {}  # request id -> [its next block, its run's end]
         self._ref_counts = [0] * num_blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free and cached, LRU first
         self._block_of_hash: dict[int, int] = {}
@@ -33,7 +48,7 @@ class BlockManager:
     @property
     def num_free(self) -> int:
         """Blocks a request can be given: never cached, or cached and held by nobody."""
-        return len(self._free) + len(self._evictable)
+        return self._num_uncached_free + len(self._evictable)
 
     @property
     def num_cached(self) -> int:
@@ -49,19 +64,22 @@ class BlockManager:
 
     def grow(self, request: Request, num_tokens: int) -> None:
         for _ in range(self.blocks_to_hold(request, num_tokens)):
-            block = self._take_free_block()
+            block = self._take_free_block(request)
             self._ref_counts[block] = 1
             request.block_ids.append(block)
 
     def free(self, request: Request) -> None:
-        """Lets go of the request's blocks; cached ones stay cached, most recently used."""
+        """Lets go of the request's blocks and of its run's reservation; cached blocks stay
+        cached, most recently used."""
+        self._end_run(request.request_id)
         for block in reversed(request.block_ids):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 if block in self._hash_of_block:
                     self._evictable[block] = None
                 else:
-                    self._free.append(block)
+                    self._state[block] = _AVAILABLE
+                    self._num_uncached_free += 1
         request.block_ids = []
 
     def reuse_cached_prefix(self, request: Request) -> None:
@@ -110,12 +128,53 @@ class BlockManager:
             hashes.append(hash((parent, tuple(tokens[index * size : (index + 1) * size]))))
         return hashes[:num_blocks]
 
-    def _take_free_block(self) -> int:
-        if self._free:
-            return self._free.pop()
-        block, _ = self._evictable.popitem(last=False)  # the least recently used
-        del self._block_of_hash[self._hash_of_block.pop(block)]
+    def _take_free_block(self, request: Request) -> int:
+        """The next block of the request's run; else the start of a new run; else the lowest
+        free block, unreserved first; else the least recently used cached one."""
+        run = self._runs.get(request.request_id)
+        if run is not None and run[0] < run[1]:
+            run[0] += 1
+            return self._take(run[0] - 1)
+        self._runs.pop(request.request_id, None)  # used up, or cut short by another request
+        if self._num_uncached_free == 0:
+            block, _ = self._evictable.popitem(last=False)  # the least recently used
+            del self._block_of_hash[self._hash_of_block.pop(block)]
+            return block
+        length = min(self._run_length(request), self.num_blocks)
+        start = self._state.find(bytes([_AVAILABLE]) * length) if length > 1 else -1
+        if start >= 0:
+            self._state[start + 1 : start + length] = bytes([_RESERVED]) * (length - 1)
+            self._runs[request.request_id] = [start + 1, start + length]
+            return self._take(start)
+        block = self._state.find(_AVAILABLE)
+        if block < 0:
+            block = self._state.find(_RESERVED)
+            self._cut_run_at(block)
+        return self._take(block)
+
+    def _run_length(self, request: Request) -> int:
+        """The blocks the request may still need: its prompt and all its new tokens."""
+        most_tokens = len(request.prompt_ids) + request.params.max_new_tokens
+        return max(1, -(-most_tokens // self.block_size) - len(request.block_ids))
+
+    def _take(self, block: int) -> int:
+        self._state[block] = _TAKEN
+        self._num_uncached_free -= 1
         return block
+
+    def _cut_run_at(self, block: int) -> None:
+        """Another request takes this reserved block: its run ends before it."""
+        for run in self._runs.values():
+            if run[0] <= block < run[1]:
+                self._state[block + 1 : run[1]] = bytes([_AVAILABLE]) * (run[1] - block - 1)
+                run[1] = block
+                return
+
+    def _end_run(self, request_id: str) -> None:
+        """Frees what is left of the request's reservation for any request."""
+        run = self._runs.pop(request_id, None)
+        if run is not None:
+            self._state[run[0] : run[1]] = bytes([_AVAILABLE]) * (run[1] - run[0])
 
     def check_invariants(self, requests: list[Request]) -> None:
         """Every block is held (its count = its holders) or free, never both; only cached
@@ -127,7 +186,9 @@ class BlockManager:
             for block in request.block_ids:
                 holders[block] += 1
         assert holders == self._ref_counts, "a block's count is not its number of holders"
-        free = self._free + list(self._evictable)
+        uncached_free = [block for block, state in enumerate(self._state) if state != _TAKEN]
+        assert len(uncached_free) == self._num_uncached_free, "the free count is off"
+        free = uncached_free + list(self._evictable)
         assert len(free) == len(set(free)), "a block is free twice"
         assert all(holders[block] == 0 for block in free), "a block is both held and free"
         held = sum(1 for count in holders if count > 0)
@@ -135,7 +196,11 @@ class BlockManager:
         shared = [block for block, count in enumerate(holders) if count > 1]
         assert all(block in self._hash_of_block for block in shared), "an uncached block shared"
         assert all(block in self._hash_of_block for block in self._evictable)
-        assert not set(self._free) & set(self._hash_of_block), "a cached block lost its entry"
+        assert not set(uncached_free) & set(self._hash_of_block), "a cached block lost its entry"
+        assert set(self._runs) <= {request.request_id for request in requests}, "a run outlived"
+        reserved = [block for block, state in enumerate(self._state) if state == _RESERVED]
+        in_runs = [b for next_block, end in self._runs.values() for b in range(next_block, end)]
+        assert sorted(in_runs) == reserved, "the reserved blocks are not the runs' rest"
         assert {b: h for h, b in self._block_of_hash.items()} == self._hash_of_block
         for request in requests:
             capacity = len(request.block_ids) * self.block_size
