@@ -38,7 +38,9 @@ class BlockManager:
         # A block's state: _AVAILABLE (free), _RESERVED (free, the next of a request's run) or
         # _TAKEN (held, or free and cached: then in _evictable). bytes.find looks for runs.
         self._state = bytearray([_AVAILABLE]) * num_blocks
-        self._num_uncached_free = num_blocks  # _AVAILABLE or _RESERVED
+        # _AVAILABLE or _RESERVED; a count kept, not taken from _state: the scheduler asks
+        # num_free (can_hold) for every request every step.
+        self._num_uncached_free = num_blocks
         self._runs: dict[str, list[int]] = {}  # request id -> [its next block, its run's end]
         self._ref_counts = [0] * num_blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free and cached, LRU first
@@ -143,7 +145,7 @@ class BlockManager:
         length = min(self._run_length(request), self.num_blocks)
         start = self._state.find(bytes([_AVAILABLE]) * length) if length > 1 else -1
         if start >= 0:
-            self._state[start + 1 : start + length] = bytes([_RESERVED]) * (length - 1)
+            self._set_states(start + 1, start + length, _RESERVED)
             self._runs[request.request_id] = [start + 1, start + length]
             return self._take(start)
         block = self._state.find(_AVAILABLE)
@@ -166,7 +168,7 @@ class BlockManager:
         """Another request takes this reserved block: its run ends before it."""
         for run in self._runs.values():
             if run[0] <= block < run[1]:
-                self._state[block + 1 : run[1]] = bytes([_AVAILABLE]) * (run[1] - block - 1)
+                self._set_states(block + 1, run[1], _AVAILABLE)
                 run[1] = block
                 return
 
@@ -174,7 +176,11 @@ class BlockManager:
         """Frees what is left of the request's reservation for any request."""
         run = self._runs.pop(request_id, None)
         if run is not None:
-            self._state[run[0] : run[1]] = bytes([_AVAILABLE]) * (run[1] - run[0])
+            self._set_states(run[0], run[1], _AVAILABLE)
+
+    def _set_states(self, start: int, end: int, state: int) -> None:
+        """Blocks start..end (free ones: the free count does not change) take `state`."""
+        self._state[start:end] = bytes([state]) * (end - start)
 
     def check_invariants(self, requests: list[Request]) -> None:
         """Every block is held (its count = its holders) or free, never both; only cached
