@@ -754,8 +754,8 @@ void attend_keys(const AttentionCall<T>& call, const KeyRange& range, const KeyR
   }
 }
 
-// ---- A decode's item in fp32: one query token (a decode, or a prompt tile's last token
-// alone), its query heads of one KV head as rows, every key up to its own.
+// ---- A decode's item in fp32 or bf16: one query token (a decode, or a prompt tile's last
+// token alone), its query heads of one KV head as rows, every key up to its own.
 //
 // The general path above stages every chunk of 64 keys (pointers written to three arrays,
 // masks, a softmax per chunk, a rescale of the sums), which at a decode's few rows costs more
@@ -769,16 +769,20 @@ void attend_keys(const AttentionCall<T>& call, const KeyRange& range, const KeyR
 // keys: 1.59x faster with one layer's cache (39 MB) read 30 times, level from memory (~22 GB/s
 // of K/V either way); a whole decode step (the stack split by sequences, one thread's
 // attention beside the other's linears) 1.025-1.07x faster, 64 x 200 keys 115.6 -> 111.1 ms.
+// bf16 rows (half the bytes, so less bound by the stream) gained more: 30 layers of 64
+// decodes of 250 keys 1.44-1.49x faster on one thread, their scores the same bits, P V's sums
+// within bf16's rounding of the general path's (one softmax instead of one a chunk).
 
 // Walks one KV head's rows of a sequence, key by key, through its block table: no division a
 // key.
+template <typename T = float>
 struct RowCursor {
-  const float* cache;
+  const T* cache;
   const int32_t* table;
   int64_t block_size, row_stride, head_offset;
   int64_t block = 0, in_block = 0;
 
-  const float* row() const {
+  const T* row() const {
     return cache + (table[block] * block_size + in_block) * row_stride + head_offset;
   }
   void advance() {
@@ -789,48 +793,75 @@ struct RowCursor {
   }
 };
 
-// Where a decode may take the fast path: fp32 rows of whole vectors, few enough query heads a
-// KV head and vectors a row for the query rows and P V's sums to stay in registers.
+// Where a decode may take the fast path: rows of whole vectors, few enough query heads a KV
+// head and vectors a row for the query rows and P V's sums to stay in registers; fp32 rows,
+// or bf16 rows where the CPU has AVX512-BF16 and head_dim is whole steps of 32 (their scores
+// come from decode_scores_bf16).
 constexpr int kDecodeMaxVecs = 8;
 template <typename T>
 bool fast_decode(const AttentionItem& item, const AttentionCall<T>& call) {
-  return std::is_same_v<T, float> && item.kind == ItemKind::kWhole &&
-         item.token_end - item.token_begin == 1 && call.d % Vec::size() == 0 &&
-         call.heads_per_kv <= kOutRows && call.d <= kDecodeMaxVecs * Vec::size();
+  const bool rows_fit = std::is_same_v<T, float> ||
+                        (std::is_same_v<T, at::BFloat16> && call.d % 32 == 0 && bf16_dots());
+  return rows_fit && item.kind == ItemKind::kWhole && item.token_end - item.token_begin == 1 &&
+         call.d % Vec::size() == 0 && call.heads_per_kv <= kOutRows &&
+         call.d <= kDecodeMaxVecs * Vec::size();
 }
 
-// scores[r][t] = q[r] . K[t] for the item's keys (R rows, DV vectors of head_dim), asking for
-// the K row kAheadKeys keys ahead of the one scored, and in the last keys for pass three's
-// first V rows instead.
+// Vec::size() values of a K or V row as fp32 (bf16 is fp32's upper half: exact).
+inline Vec load_row(const float* row) { return Vec::loadu(row); }
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kBf16Decodes = true;  // bf16 decodes may take the fast path (fast_decode)
+inline Vec load_row(const at::BFloat16* row) {
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+#else
+constexpr bool kBf16Decodes = false;  // no bf16 dot products in this build
+#endif
+
+// The K rows of a decode's scores, key by key, each asked for kAheadKeys keys before it is
+// read; in the last keys, pass three's first V rows instead. Past the last key, `zeros`.
+template <typename T>
+struct ScoredKeys {
+  RowCursor<T> keys, ahead_keys, ahead_values;
+  int64_t num_keys, bytes, asked_values = 0;
+  const T* zeros;
+
+  ScoredKeys(RowCursor<T> k, RowCursor<T> v, int64_t n, int64_t d, const T* zero_row)
+      : keys(k), ahead_keys(k), ahead_values(v), num_keys(n), bytes(d * sizeof(T)),
+        zeros(zero_row) {
+    for (int64_t t = 0; t < kAheadKeys && t < num_keys; ++t) ahead_keys.advance();
+  }
+
+  // Key t's row (t counts up from 0, one call a key).
+  const T* next(int64_t t) {
+    if (t + kAheadKeys < num_keys) {
+      ask_lines(ahead_keys.row(), bytes);
+      ahead_keys.advance();
+    } else if (asked_values < std::min<int64_t>(kAheadKeys, num_keys) && t < num_keys) {
+      ask_lines(ahead_values.row(), bytes);
+      ahead_values.advance();
+      ++asked_values;
+    }
+    if (t >= num_keys) return zeros;
+    const T* row = keys.row();
+    keys.advance();
+    return row;
+  }
+};
+
+// scores[r][t] = q[r] . K[t] for the item's keys (R rows, DV vectors of head_dim).
 template <int R, int DV>
-void decode_scores(const float* q, RowCursor keys, RowCursor ahead_values, int64_t num_keys,
-                   const float* zeros, float* scores, int64_t stride) {
+void decode_scores(const float* q, ScoredKeys<float> keys, float* scores, int64_t stride) {
   constexpr int64_t d = DV * Vec::size();
-  constexpr int64_t bytes = d * sizeof(float);
   Vec qv[R][DV];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < DV; ++v) qv[r][v] = Vec::loadu(q + r * d + v * Vec::size());
   }
-  RowCursor ahead_keys = keys;
-  for (int64_t t = 0; t < kAheadKeys && t < num_keys; ++t) ahead_keys.advance();
-  int64_t asked_values = 0;
   Vec sums[R][Vec::size()];
-  for (int64_t t0 = 0; t0 < num_keys; t0 += Vec::size()) {
+  for (int64_t t0 = 0; t0 < keys.num_keys; t0 += Vec::size()) {
     for (int64_t j = 0; j < Vec::size(); ++j) {
-      const int64_t t = t0 + j;
-      if (t + kAheadKeys < num_keys) {
-        ask_lines(ahead_keys.row(), bytes);
-        ahead_keys.advance();
-      } else if (asked_values < std::min<int64_t>(kAheadKeys, num_keys) && t < num_keys) {
-        ask_lines(ahead_values.row(), bytes);
-        ahead_values.advance();
-        ++asked_values;
-      }
-      const float* row = zeros;
-      if (t < num_keys) {
-        row = keys.row();
-        keys.advance();
-      }
+      const float* row = keys.next(t0 + j);
       Vec k[DV];
       for (int v = 0; v < DV; ++v) k[v] = Vec::loadu(row + v * Vec::size());
       for (int r = 0; r < R; ++r) {
@@ -843,15 +874,47 @@ void decode_scores(const float* q, RowCursor keys, RowCursor ahead_values, int64
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// decode_scores for bf16 rows (S steps of 32 values of head_dim): each key's score as
+// score_keys_bf16 computes it on the general path (q unscaled in bf16, two exact products a
+// lane and step into fp32 sums in head_dim's order, the lanes summed, then the scale): the
+// general path's scores, bit for bit.
+template <int R, int S>
+__attribute__((target("avx512bf16"))) void decode_scores_bf16(const at::BFloat16* q, float scale,
+                                                              ScoredKeys<at::BFloat16> keys,
+                                                              float* scores, int64_t stride) {
+  constexpr int64_t step = 2 * Vec::size();
+  __m512bh qv[R][S];
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < S; ++i) qv[r][i] = (__m512bh)_mm512_loadu_si512(q + (r * S + i) * step);
+  }
+  Vec sums[R][Vec::size()];
+  for (int64_t t0 = 0; t0 < keys.num_keys; t0 += Vec::size()) {
+    for (int64_t j = 0; j < Vec::size(); ++j) {
+      const at::BFloat16* row = keys.next(t0 + j);
+      __m512bh k[S];
+      for (int i = 0; i < S; ++i) k[i] = (__m512bh)_mm512_loadu_si512(row + i * step);
+      for (int r = 0; r < R; ++r) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < S; ++i) acc = _mm512_dpbf16_ps(acc, qv[r][i], k[i]);
+        sums[r][j] = Vec(acc);
+      }
+    }
+    for (int r = 0; r < R; ++r) (sum_each(sums[r]) * Vec(scale)).store(scores + r * stride + t0);
+  }
+}
+#endif
+
 // acc[r] = sum over keys t of weights[r][t] * V[t] for R rows, head_dim in passes of out_vecs
 // vectors; the first pass asks for the V rows ahead, then for the first `next_count` rows of
 // `next_keys` (the following item's K rows) past its end.
-template <int R>
-void decode_values(const float* weights, int64_t stride, RowCursor values, RowCursor next_keys,
-                   int64_t next_count, int64_t num_keys, int64_t d, float* acc) {
+template <int R, typename T>
+void decode_values(const float* weights, int64_t stride, RowCursor<T> values,
+                   RowCursor<T> next_keys, int64_t next_count, int64_t num_keys, int64_t d,
+                   float* acc) {
   constexpr int J = out_vecs(R);
-  const int64_t bytes = d * static_cast<int64_t>(sizeof(float));
-  RowCursor ahead = values;
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  RowCursor<T> ahead = values;
   for (int64_t t = 0; t < kAheadKeys && t < num_keys; ++t) ahead.advance();
   for (int64_t j0 = 0; j0 < d; j0 += J * Vec::size()) {
     with_count<J>(std::min<int64_t>(J, (d - j0) / Vec::size()), [&](auto count) {
@@ -860,7 +923,7 @@ void decode_values(const float* weights, int64_t stride, RowCursor values, RowCu
       for (int r = 0; r < R; ++r) {
         for (int v = 0; v < DV; ++v) a[r][v] = Vec(0.f);
       }
-      RowCursor rows = values;
+      RowCursor<T> rows = values;
       int64_t asked_next = 0;
       for (int64_t t = 0; t < num_keys; ++t) {
         if (j0 == 0) {
@@ -873,10 +936,10 @@ void decode_values(const float* weights, int64_t stride, RowCursor values, RowCu
             ++asked_next;
           }
         }
-        const float* row = rows.row() + j0;
+        const T* row = rows.row() + j0;
         rows.advance();
         Vec v[DV];
-        for (int i = 0; i < DV; ++i) v[i] = Vec::loadu(row + i * Vec::size());
+        for (int i = 0; i < DV; ++i) v[i] = load_row(row + i * Vec::size());
         for (int r = 0; r < R; ++r) {
           const Vec w(weights[r * stride + t]);
           for (int i = 0; i < DV; ++i) a[r][i] = at::vec::fmadd(w, v[i], a[r][i]);
@@ -914,8 +977,10 @@ inline float softmax_row(float* s, int64_t num_keys) {
 thread_local int64_t fast_decode_items = 0;
 
 // A decode item (fast_decode) into its output rows; `following`: the thread's next item.
+// fp32 rows are scored against the scaled query in fp32; bf16 rows by decode_scores_bf16.
+template <typename T>
 void attend_decode(const AttentionItem& item, const AttentionItem* following,
-                   const AttentionCall<float>& call, AttentionState& state) {
+                   const AttentionCall<T>& call, AttentionState& state) {
   const int64_t d = call.d, rows = call.heads_per_kv, num_keys = item.key_end;
   const int64_t stride = (num_keys + Vec::size() - 1) / Vec::size() * Vec::size();
   state.decode_buffer.resize(rows * d + rows * stride + rows * d + d);
@@ -924,46 +989,64 @@ void attend_decode(const AttentionItem& item, const AttentionItem* following,
   float* acc = scores + rows * stride;
   float* zeros = acc + rows * d;
   std::fill(zeros, zeros + d, 0.f);
-  const float* query =
-      call.query + (call.starts[item.seq] + item.token_begin) * call.q_token_stride;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = query + (item.kv_head * rows + r) * call.q_head_stride;
-    for (int64_t i = 0; i < d; ++i) q[r * d + i] = src[i] * call.scale;
+  const T* query = call.query + (call.starts[item.seq] + item.token_begin) * call.q_token_stride;
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* src = query + (item.kv_head * rows + r) * call.q_head_stride;
+      for (int64_t i = 0; i < d; ++i) q[r * d + i] = src[i] * call.scale;
+    }
+  } else {  // the query rows as they are, then a row of zeros (keys past the last)
+    state.q_bf16.assign((rows + 1) * d, at::BFloat16(0.f));
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* src = query + (item.kv_head * rows + r) * call.q_head_stride;
+      std::copy(src, src + d, state.q_bf16.data() + r * d);
+    }
   }
   const int64_t row_stride = call.kv_heads * d;
-  const auto cursor = [&](const float* cache, int64_t seq, int64_t kv_head) {
-    return RowCursor{cache, call.table(seq), call.block_size, row_stride, kv_head * d};
+  const auto cursor = [&](const T* cache, int64_t seq, int64_t kv_head) {
+    return RowCursor<T>{cache, call.table(seq), call.block_size, row_stride, kv_head * d};
   };
-  const RowCursor keys = cursor(call.k_cache, item.seq, item.kv_head);
-  const RowCursor values = cursor(call.v_cache, item.seq, item.kv_head);
+  const RowCursor<T> keys = cursor(call.k_cache, item.seq, item.kv_head);
+  const RowCursor<T> values = cursor(call.v_cache, item.seq, item.kv_head);
   // The first K rows, less those the item before asked for.
-  RowCursor first = keys;
+  RowCursor<T> first = keys;
   for (int64_t t = 0; t < std::min(kAheadKeys, num_keys); ++t, first.advance()) {
-    if (t >= state.next_asked) ask_lines(first.row(), d * sizeof(float));
+    if (t >= state.next_asked) ask_lines(first.row(), d * sizeof(T));
   }
   with_count<kOutRows>(rows, [&](auto count) {
     constexpr int R = decltype(count)::value;
-    with_count<kDecodeMaxVecs>(d / Vec::size(), [&](auto vecs) {
-      decode_scores<R, decltype(vecs)::value>(q, keys, values, num_keys, zeros, scores, stride);
-    });
+    if constexpr (std::is_same_v<T, float>) {
+      const ScoredKeys<float> scored(keys, values, num_keys, d, zeros);
+      with_count<kDecodeMaxVecs>(d / Vec::size(), [&](auto vecs) {
+        decode_scores<R, decltype(vecs)::value>(q, scored, scores, stride);
+      });
+    } else {
+#if defined(CPU_CAPABILITY_AVX512)
+      const at::BFloat16* q_rows = state.q_bf16.data();
+      const ScoredKeys<at::BFloat16> scored(keys, values, num_keys, d, q_rows + rows * d);
+      with_count<kDecodeMaxVecs / 2>(d / (2 * Vec::size()), [&](auto steps) {
+        decode_scores_bf16<R, decltype(steps)::value>(q_rows, call.scale, scored, scores, stride);
+      });
+#endif
+    }
   });
   float inverse_sums[kOutRows];
   for (int64_t r = 0; r < rows; ++r) inverse_sums[r] = softmax_row(scores + r * stride, num_keys);
   // A following decode's first K rows go out during the last V rows (its start then skips
   // them); another kind of item asks for its own first rows, K and V, at once.
-  RowCursor next{};
+  RowCursor<T> next{};
   int64_t next_count = 0;
   if (following != nullptr && fast_decode(*following, call)) {
     next = cursor(call.k_cache, following->seq, following->kv_head);
     next_count = std::min(kAheadKeys, following->key_end);
   }
   with_count<kOutRows>(rows, [&](auto count) {
-    decode_values<decltype(count)::value>(scores, stride, values, next, next_count, num_keys, d,
-                                          acc);
+    decode_values<decltype(count)::value, T>(scores, stride, values, next, next_count, num_keys,
+                                             d, acc);
   });
   // (asked during this decode's last kAheadKeys keys, so no more than it has)
   state.next_asked = std::min(next_count, num_keys);
-  float* out = call.out + call.out_offset(item.seq, item.token_begin, item.kv_head * rows);
+  T* out = call.out + call.out_offset(item.seq, item.token_begin, item.kv_head * rows);
   for (int64_t r = 0; r < rows; ++r) {
     scale_in_place(acc + r * d, inverse_sums[r], d);
     store_from_float(acc + r * d, out + r * d, d);
@@ -980,7 +1063,7 @@ KeyRange key_range(const AttentionItem& item, const AttentionCall<T>& call) {
 template <typename T>
 void attend_item(const AttentionItem& item, const AttentionItem* following,
                  const AttentionCall<T>& call, AttentionState& state) {
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float> || (kBf16Decodes && std::is_same_v<T, at::BFloat16>)) {
     if (fast_decode(item, call)) {
       ++fast_decode_items;
       return attend_decode(item, following, call, state);

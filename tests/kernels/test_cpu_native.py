@@ -70,27 +70,38 @@ def test_paged_attention_streaming_ahead_over_long_contexts(native):
 # Decodes of 1 to 600 keys: shorter and longer than the 32 keys rows are asked for ahead,
 # whole and partial vectors of keys, one block or many; between them a prompt chunk, and a
 # prompt of 17 tokens whose second query tile is its last token alone (a decode's shape).
-FP32_DECODES = [
+DECODES = [
     *[(1, 1), (16, 1), (31, 1), (33, 1), (600, 1), (2, 1), (40, 6), (129, 1), (64, 1)],
     *[(17, 17), (5, 1)],
 ]
 
 
+def takes_decode_path(native, dtype, q_heads, kv_heads, head_dim):
+    """Whether one-token decodes of this shape take the three-pass path: 1-4 query heads a KV
+    head and head_dim in whole vectors, up to 8 (1-8 on AVX-512, 2-8 on AVX2); bf16 rows only
+    where the CPU has AVX512-BF16 and head_dim is whole steps of 32."""
+    vectors, left = divmod(head_dim, native.vector_width())
+    fits = q_heads // kv_heads <= 4 and left == 0 and vectors <= 8
+    if dtype == torch.bfloat16:
+        return fits and native.bf16_panels() and head_dim % 32 == 0
+    return fits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 @pytest.mark.parametrize(
     ("q_heads", "kv_heads", "head_dim"),
-    # fp32 decodes of 1-4 query heads a KV head and head_dim in whole vectors take their own
-    # three-pass path (head_dim up to 8 vectors: 1-8 on AVX-512, 2-8 on AVX2); 8 a KV head, or
-    # head_dim 72 (not whole vectors on AVX-512, 9 on AVX2), go the general way.
+    # 8 query heads a KV head, or head_dim 72 (not whole vectors on AVX-512, 9 on AVX2), go
+    # the general way; so do bf16's 48 and 16 (no whole steps of 32).
     [
         *[(2, 2, 16), (4, 2, 32), (9, 3, 48), (12, 3, 64), (8, 4, 96), (8, 4, 128)],
         *[(8, 1, 64), (6, 2, 72)],
     ],
 )
-def test_paged_attention_fp32_decodes_of_every_shape_equal_reference(
-    native, block_size, q_heads, kv_heads, head_dim
+def test_paged_attention_decodes_of_every_shape_equal_reference(
+    native, dtype, block_size, q_heads, kv_heads, head_dim
 ):
-    case = make_case(FP32_DECODES, block_size, q_heads, kv_heads, head_dim, seed=7)
+    case = make_case(DECODES, block_size, q_heads, kv_heads, head_dim, dtype=dtype, seed=7)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # every item on this thread, whose fast-path count we read
     try:
@@ -99,11 +110,11 @@ def test_paged_attention_fp32_decodes_of_every_shape_equal_reference(
         fast_items = native.fast_decode_items() - before
     finally:
         torch.set_num_threads(threads)
-    close(got, contiguous_attention(case, 0.2))
-    vectors, left = divmod(head_dim, native.vector_width())
-    if q_heads // kv_heads <= 4 and left == 0 and vectors <= 8:
+    assert got.dtype == dtype
+    close(got, contiguous_attention(case, 0.2), dtype)
+    if takes_decode_path(native, dtype, q_heads, kv_heads, head_dim):
         # at least each one-token decode at every KV head
-        one_token = sum(1 for _, new_tokens in FP32_DECODES if new_tokens == 1)
+        one_token = sum(1 for _, new_tokens in DECODES if new_tokens == 1)
         assert fast_items >= one_token * kv_heads
     else:
         assert fast_items == 0
