@@ -41,6 +41,13 @@ bool bf16_dots() {
 #endif
 }
 
+// Whether rows of T with head_dim d are scored by bf16 dot products of 32 values a step
+// (score_keys_bf16, decode_scores_bf16): bf16 rows of whole steps where the CPU has them.
+template <typename T>
+bool bf16_dot_rows(int64_t d) {
+  return std::is_same_v<T, at::BFloat16> && d % 32 == 0 && bf16_dots();
+}
+
 // A row of `n` values as fp32: fp32 rows are read in place, others widened into `scratch`.
 template <typename T>
 inline const float* as_float(const T* src, float* scratch, int64_t n) {
@@ -430,7 +437,7 @@ struct AttentionState {
   template <typename T>
   void choose_scores(float query_scale) {
     scale = query_scale;
-    bf16_scores = std::is_same_v<T, at::BFloat16> && !transposed && d % 32 == 0 && bf16_dots();
+    bf16_scores = !transposed && bf16_dot_rows<T>(d);
     if (!bf16_scores) return;
     q_bf16.assign((rows + 1) * d, at::BFloat16(0.f));
   }
@@ -800,8 +807,7 @@ struct RowCursor {
 constexpr int kDecodeMaxVecs = 8;
 template <typename T>
 bool fast_decode(const AttentionItem& item, const AttentionCall<T>& call) {
-  const bool rows_fit = std::is_same_v<T, float> ||
-                        (std::is_same_v<T, at::BFloat16> && call.d % 32 == 0 && bf16_dots());
+  const bool rows_fit = std::is_same_v<T, float> || bf16_dot_rows<T>(call.d);
   return rows_fit && item.kind == ItemKind::kWhole && item.token_end - item.token_begin == 1 &&
          call.d % Vec::size() == 0 && call.heads_per_kv <= kOutRows &&
          call.d <= kDecodeMaxVecs * Vec::size();
