@@ -66,7 +66,15 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows, argmax_rows = self._prepare(chunks)
         if self.lora is not None:
             self.lora.prepare(chunks)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        # A step of greedy decodes alone: the stack picks the tokens in the same call.
+        picked = None
+        forward_greedy = getattr(self.model, "forward_greedy", None)
+        if forward_greedy is not None and len(argmax_rows) == len(input_ids):
+            picked = forward_greedy(input_ids, positions, self.kv_caches, meta)
+        if picked is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        else:
+            hidden = picked[0]
         scores = {}
         first_row = 0
         for index, chunk in enumerate(chunks):
@@ -76,7 +84,9 @@ class ModelRunner:
                 scores[index] = self._score(rows, chunk.score_targets, chunk.score_top)
             first_row += len(chunk.token_ids)
         greedy = ()
-        if len(argmax_rows):
+        if picked is not None:  # every row is an argmax row, in order
+            greedy = tuple(picked[1].tolist())
+        elif len(argmax_rows):
             greedy = tuple(self.model.greedy_tokens(hidden[argmax_rows]).tolist())
         return StepLogits(self.model.compute_logits(hidden[logits_rows]), scores, greedy)
 

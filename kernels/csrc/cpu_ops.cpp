@@ -1818,12 +1818,57 @@ __attribute__((target("avx512bf16"))) void tile_sums(const at::BFloat16* x, int6
 template <typename Acc>
 constexpr int tile_rows = static_cast<int>(std::extent_v<std::remove_reference_t<Acc>>);
 
+// One unit of panel work: x's rows r0..r1 (one row block, its activations in L2) by panels
+// begin..end of `weights` (each [in][PV vectors], fp32 or bf16 pairs), each tile's sums handed
+// to `finish(acc, panel, first_row)`. The last panel's tiles ask for panel `next` (the first of
+// the thread's next unit; -1: none), so that it streams in while this one computes.
+template <int PV, int MaxRows, typename T, typename Finish>
+void panel_unit(const T* xs, int64_t r0, int64_t r1, int64_t in, const T* weights, int64_t begin,
+                int64_t end, int64_t next, const Finish& finish) {
+  constexpr int64_t width = PV * Vec::size();
+  const int64_t tiles = (r1 - r0 + MaxRows - 1) / MaxRows;
+  // The rows shared out evenly over the tiles: 32 rows on AVX2 as 6, 6, 5, 5, 5, 5, not
+  // 6, 6, 6, 6, 6, 2. A tile of a few rows has too few independent sums to cover the
+  // multiply-add's latency (two rows: 4 on AVX2 where 8 keep both units busy) and took
+  // about as long as a full one.
+  const auto tile_start = [&](int64_t tile) { return r0 + tile * (r1 - r0) / tiles; };
+  // One panel is in * width values: from 2 to 16 tiles its lines go out a few every
+  // kSpreadInputs inputs, spread over all of this panel's tiles (asking for them at every
+  // input, in the first tiles only and faster than memory delivers, stalled the
+  // multiply-adds: 64 rows 1.13x, 32 rows 1.03x slower). One tile asks at every input, as
+  // the weight stream bounds it; more than 16 tiles hide the stream anyway, where the test
+  // per input cost 2-5%.
+  const bool spread = tiles >= 2 && tiles <= 16;
+  // (a bf16 step of two inputs reads the bytes of one fp32 input)
+  const int64_t prefetch_lines =
+      ((spread ? kSpreadInputs : 1) * width / kLineFloats + tiles - 1) / tiles;
+  for (int64_t p = begin; p < end; ++p) {
+    const T* panel = weights + p * in * width;
+    const int64_t ahead = p + 1 < end ? p + 1 : next;
+    const T* prefetch = ahead < 0 ? panel : weights + ahead * in * width;
+    const T* prefetch_end = ahead < 0 ? prefetch : prefetch + in * width;
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t r = tile_start(tile);
+      with_count<MaxRows>(tile_start(tile + 1) - r, [&](auto count) {
+        Vec acc[decltype(count)::value][PV];
+        if (spread) {
+          tile_sums<decltype(count)::value, PV, kSpreadInputs>(
+              xs + r * in, in, panel, acc, prefetch, prefetch_lines, prefetch_end);
+        } else {
+          tile_sums<decltype(count)::value, PV, 1>(xs + r * in, in, panel, acc, prefetch,
+                                                   prefetch_lines, prefetch_end);
+        }
+        finish(acc, p, r);
+      });
+    }
+  }
+}
+
 // Computes every tile of x's `rows` rows by the `panels` panels of `weights` (each [in][PV
 // vectors], fp32 or bf16 pairs) and hands each tile's sums to `finish(acc, panel, first_row)`.
 template <int PV, int MaxRows, typename T, typename Finish>
 void for_each_tile(const T* xs, int64_t rows, int64_t in, const T* weights, int64_t panels,
                    const Finish& finish) {
-  constexpr int64_t width = PV * Vec::size();
   const int64_t block_rows = std::max<int64_t>(
       MaxRows, kLinearBlockBytes / (in * sizeof(T)) / MaxRows * MaxRows);
   const int64_t row_blocks = (rows + block_rows - 1) / block_rows;
@@ -1844,45 +1889,10 @@ void for_each_tile(const T* xs, int64_t rows, int64_t in, const T* weights, int6
       // this unit's last panel computes.
       const int64_t following = next.fetch_add(1);
       const int64_t block = unit / units_per_block;
-      const int64_t r0 = block_start(block), r1 = block_start(block + 1);
       const int64_t begin = first_panel(unit);
-      const int64_t end = std::min(panels, begin + unit_panels);
-      const int64_t tiles = (r1 - r0 + MaxRows - 1) / MaxRows;
-      // The rows shared out evenly over the tiles: 32 rows on AVX2 as 6, 6, 5, 5, 5, 5, not
-      // 6, 6, 6, 6, 6, 2. A tile of a few rows has too few independent sums to cover the
-      // multiply-add's latency (two rows: 4 on AVX2 where 8 keep both units busy) and took
-      // about as long as a full one.
-      const auto tile_start = [&](int64_t tile) { return r0 + tile * (r1 - r0) / tiles; };
-      // One panel is in * width values: from 2 to 16 tiles its lines go out a few every
-      // kSpreadInputs inputs, spread over all of this panel's tiles (asking for them at every
-      // input, in the first tiles only and faster than memory delivers, stalled the
-      // multiply-adds: 64 rows 1.13x, 32 rows 1.03x slower). One tile asks at every input, as
-      // the weight stream bounds it; more than 16 tiles hide the stream anyway, where the test
-      // per input cost 2-5%.
-      const bool spread = tiles >= 2 && tiles <= 16;
-      // (a bf16 step of two inputs reads the bytes of one fp32 input)
-      const int64_t prefetch_lines =
-          ((spread ? kSpreadInputs : 1) * width / kLineFloats + tiles - 1) / tiles;
-      for (int64_t p = begin; p < end; ++p) {
-        const T* panel = weights + p * in * width;
-        const int64_t ahead = p + 1 < end ? p + 1 : following < units ? first_panel(following) : -1;
-        const T* prefetch = ahead < 0 ? panel : weights + ahead * in * width;
-        const T* prefetch_end = ahead < 0 ? prefetch : prefetch + in * width;
-        for (int64_t tile = 0; tile < tiles; ++tile) {
-          const int64_t r = tile_start(tile);
-          with_count<MaxRows>(tile_start(tile + 1) - r, [&](auto count) {
-            Vec acc[decltype(count)::value][PV];
-            if (spread) {
-              tile_sums<decltype(count)::value, PV, kSpreadInputs>(
-                  xs + r * in, in, panel, acc, prefetch, prefetch_lines, prefetch_end);
-            } else {
-              tile_sums<decltype(count)::value, PV, 1>(xs + r * in, in, panel, acc, prefetch,
-                                                       prefetch_lines, prefetch_end);
-            }
-            finish(acc, p, r);
-          });
-        }
-      }
+      panel_unit<PV, MaxRows>(xs, block_start(block), block_start(block + 1), in, weights, begin,
+                              std::min(panels, begin + unit_panels),
+                              following < units ? first_panel(following) : -1, finish);
       unit = following;
     }
   });
@@ -2035,6 +2045,22 @@ at::Tensor run_panels(const at::Tensor& x, const at::Tensor& packed, int64_t out
   return out;
 }
 
+// packed_linear's outputs of a tile of rows from `row` by panel p: its sums plus the bias (or
+// none), in rows of out_features.
+template <typename Acc, typename T>
+void store_tile(const Acc& acc, int64_t p, int64_t row, const T* bias, T* out,
+                int64_t out_features) {
+  for (int v = 0; v < kPanelVecs; ++v) {
+    const int64_t col = p * kPanel + v * Vec::size();
+    const int64_t left = std::min<int64_t>(out_features - col, Vec::size());
+    if (left <= 0) break;
+    const Vec b = bias_lanes(bias, col, left);
+    for (int r = 0; r < tile_rows<Acc>; ++r) {
+      store_lanes(acc[r][v] + b, out + (row + r) * out_features + col, left);
+    }
+  }
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const std::optional<at::Tensor>& bias) {
   check_panel_inputs(x, packed, kPanel, bias, out_features);
@@ -2044,15 +2070,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return run_panels<kPanelVecs, kLinearRows>(
       x, packed, out_features, bias,
       [&](const auto& acc, int64_t p, int64_t row, const auto* bias_data, auto* o) {
-        for (int v = 0; v < kPanelVecs; ++v) {
-          const int64_t col = p * kPanel + v * Vec::size();
-          const int64_t left = std::min<int64_t>(out_features - col, Vec::size());
-          if (left <= 0) break;
-          const Vec b = bias_lanes(bias_data, col, left);
-          for (int r = 0; r < tile_rows<decltype(acc)>; ++r) {
-            store_lanes(acc[r][v] + b, o + (row + r) * out_features + col, left);
-          }
-        }
+        store_tile(acc, p, row, bias_data, o, out_features);
       });
 }
 
@@ -2388,6 +2406,78 @@ class DecoderStack {
     return at::cat(outputs);
   }
 
+  // The LM head that greedy decodes read (GreedyHead in rolling_batch/layers/greedy_head.py):
+  // `approx` its weight's bf16 panels (pack_linear_weight of the bf16 copy), `weight` [vocab,
+  // in] fp32 and `norms` each row's L2 norm rounded up, as greedy_head_pick takes them.
+  void set_greedy_head(at::Tensor approx, at::Tensor weight, at::Tensor norms) {
+    TORCH_CHECK(bf16_dots(), "a greedy head needs AVX512-BF16 (bf16_panels() is false here)");
+    TORCH_CHECK(approx.scalar_type() == at::kBFloat16 && approx.dim() == 3 &&
+                    approx.size(1) == hidden_ && approx.size(2) == kPanel &&
+                    approx.is_contiguous(),
+                "approx must be the LM head's bf16 panels");
+    TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden_ &&
+                    approx.size(0) == (weight.size(0) + kPanel - 1) / kPanel,
+                "weight must be the LM head's [vocab, hidden]");
+    head_ = GreedyHeadWeights{std::move(approx), std::move(weight), std::move(norms)};
+  }
+
+  // forward()'s final norm outputs (every token a decode or prompt chunk's) and each row's
+  // greedy token, as greedy_head_pick gives it from packed_linear's bf16 approximations (-1:
+  // the row's fp32 logits decide). Where the step splits, each thread goes on from its run to
+  // the head's work on the rows it ran and then takes what is left of the other run's, so the
+  // thread that finishes first works instead of waiting (the runs end 2-3 ms apart on
+  // average, at random).
+  std::tuple<at::Tensor, at::Tensor> forward_greedy(
+      const at::Tensor& embedded, const at::Tensor& positions, const at::Tensor& cos,
+      const at::Tensor& sin_signed, const std::vector<at::Tensor>& k_caches,
+      const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
+      const at::Tensor& block_tables, const at::Tensor& seq_lens,
+      const at::Tensor& query_start_loc) const {
+    TORCH_CHECK(head_.has_value(), "forward_greedy needs set_greedy_head first");
+    const std::vector<int64_t> bounds = sequence_parts(seq_lens, query_start_loc, std::nullopt);
+    const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
+    if (parts < 2) {
+      const at::Tensor hidden =
+          forward(embedded, positions, cos, sin_signed, k_caches, v_caches, slot_mapping,
+                  block_tables, seq_lens, query_start_loc, std::nullopt);
+      const at::Tensor approx =
+          packed_linear(hidden.to(at::kBFloat16), head_->approx, vocab(), std::nullopt);
+      return {hidden, greedy_head_pick(hidden, approx, head_->weight, head_->norms)};
+    }
+    const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+    std::vector<HeadRun> runs(parts);
+    std::atomic<bool> failed{false};
+    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t part = begin; part < end; ++part) {
+        HeadRun& run = runs[part];
+        const int64_t s0 = bounds[part], s1 = bounds[part + 1];
+        const int64_t t0 = starts[s0], t1 = starts[s1];
+        try {
+          run.hidden = forward_rows(
+              embedded.narrow(0, t0, t1 - t0), positions.narrow(0, t0, t1 - t0), cos,
+              sin_signed, k_caches, v_caches, slot_mapping.narrow(0, t0, t1 - t0),
+              block_tables.narrow(0, s0, s1 - s0), seq_lens.narrow(0, s0, s1 - s0),
+              query_start_loc.narrow(0, s0, s1 - s0 + 1) - static_cast<int32_t>(t0),
+              std::nullopt);
+          run.x = run.hidden.to(at::kBFloat16);
+          run.approx = at::empty({t1 - t0, vocab()}, run.x.options());
+        } catch (...) {
+          failed.store(true, std::memory_order_release);
+          throw;
+        }
+        run.ready.store(true, std::memory_order_release);
+      }
+      head_units(runs, begin, failed);
+    });
+    std::vector<at::Tensor> hidden(parts), tokens(parts);
+    for (int64_t part = 0; part < parts; ++part) {
+      hidden[part] = runs[part].hidden;
+      tokens[part] =
+          greedy_head_pick(runs[part].hidden, runs[part].approx, head_->weight, head_->norms);
+    }
+    return {at::cat(hidden), at::cat(tokens)};
+  }
+
   // Where a step's sequences split into runs, one a thread, each run then going through every
   // layer on its thread alone: [0, cut, ..., num_seqs], or empty where the step stays whole
   // (every op then shared by the threads). Split, the threads never wait for each other
@@ -2443,6 +2533,53 @@ class DecoderStack {
   void set_split_sequences(bool split) { split_sequences_ = split; }
 
  private:
+  struct GreedyHeadWeights {
+    at::Tensor approx, weight, norms;
+  };
+
+  // A split step's run as forward_greedy's threads share its head: the head's panels go out
+  // kHeadUnitPanels at a time from `next` once the run's outputs are `ready`.
+  struct HeadRun {
+    at::Tensor hidden, x, approx;  // x: hidden in bf16; approx: x by the head's panels
+    std::atomic<bool> ready{false};
+    std::atomic<int64_t> next{0};
+  };
+  static constexpr int64_t kHeadUnitPanels = 16;
+
+  int64_t vocab() const { return head_->weight.size(0); }
+
+  // The head's panel units a thread works on: its own run's (`own`) first, then the others'
+  // in turn, each once its run is ready, until none is left.
+  void head_units(std::vector<HeadRun>& runs, int64_t own, const std::atomic<bool>& failed) const {
+    const int64_t parts = static_cast<int64_t>(runs.size());
+    const int64_t panels = head_->approx.size(0);
+    const int64_t units = (panels + kHeadUnitPanels - 1) / kHeadUnitPanels;
+    for (int64_t turn = 0; turn < parts;) {
+      if (failed.load(std::memory_order_acquire)) return;
+      HeadRun& run = runs[(own + turn) % parts];
+      if (!run.ready.load(std::memory_order_acquire)) {
+        _mm_pause();  // its run is still going (this thread would wait for it at the end)
+        continue;
+      }
+      const int64_t unit = run.next.fetch_add(1);
+      if (unit >= units) {
+        ++turn;
+        continue;
+      }
+#if defined(CPU_CAPABILITY_AVX512)  // bf16 panels (set_greedy_head refuses other builds)
+      const int64_t begin = unit * kHeadUnitPanels;
+      at::BFloat16* out = run.approx.data_ptr<at::BFloat16>();
+      panel_unit<kPanelVecs, kLinearRows>(
+          run.x.data_ptr<at::BFloat16>(), 0, run.x.size(0), hidden_,
+          head_->approx.data_ptr<at::BFloat16>(), begin,
+          std::min(panels, begin + kHeadUnitPanels), -1,
+          [&](const auto& acc, int64_t p, int64_t row) {
+            store_tile(acc, p, row, static_cast<const at::BFloat16*>(nullptr), out, vocab());
+          });
+#endif
+    }
+  }
+
   at::Tensor forward_rows(const at::Tensor& embedded, const at::Tensor& positions,
                           const at::Tensor& cos, const at::Tensor& sin_signed,
                           const std::vector<at::Tensor>& k_caches,
@@ -2506,6 +2643,7 @@ class DecoderStack {
   bool split_sequences_ = true;
   double row_keys_;
   std::vector<DecoderLayer> layers_;
+  std::optional<GreedyHeadWeights> head_;
 };
 
 }  // namespace
@@ -2535,7 +2673,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecoderStack::add_layer)
       .def("set_split_sequences", &DecoderStack::set_split_sequences)
       .def("sequence_parts", &DecoderStack::sequence_parts)
-      .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>())
+      .def("set_greedy_head", &DecoderStack::set_greedy_head)
+      .def("forward_greedy", &DecoderStack::forward_greedy,
+           py::call_guard<py::gil_scoped_release>());
   m.def("vector_width", [] { return static_cast<int64_t>(Vec::size()); });
   m.def("fast_decode_items", [] { return fast_decode_items; });
 }

@@ -107,24 +107,15 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.native_stack = None  # set by LlamaForCausalLM.pack_weights where it applies
+        self.stack_has_greedy_head = False
         self.lora_step: LoraStep | None = None  # LoRA: the stack serves steps without adapters
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        if self.native_stack is not None and not (self.lora_step and self.lora_step.slots):
+        if self._stack_serves():
             return self.native_stack.forward(
-                hidden,
-                positions,
-                self.rotary.cos,
-                self.rotary.sin_signed,
-                [k_cache for k_cache, _ in kv_caches],
-                [v_cache for _, v_cache in kv_caches],
-                meta.slot_mapping,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                meta.output_rows,
+                *self._stack_inputs(input_ids, positions, kv_caches, meta), meta.output_rows
             )
+        hidden = self.embed_tokens(input_ids)
         rope = self.rotary.for_step(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -132,6 +123,37 @@ class LlamaModel(nn.Module):
         if meta.output_rows is not None:
             hidden, residual = hidden[meta.output_rows], residual[meta.output_rows]
         return self.norm(hidden, residual)[0]
+
+    def forward_greedy(self, input_ids, positions, kv_caches, meta):
+        """(forward's outputs for every token, each one's greedy token or -1) from one C++ call
+        where the stack holds the greedy head (`set_greedy_head`): a split step's threads share
+        the head's work as their runs end. None where it does not apply."""
+        if (
+            not self.stack_has_greedy_head
+            or not self._stack_serves()
+            or meta.output_rows is not None
+        ):
+            return None
+        return self.native_stack.forward_greedy(
+            *self._stack_inputs(input_ids, positions, kv_caches, meta)
+        )
+
+    def _stack_serves(self) -> bool:
+        return self.native_stack is not None and not (self.lora_step and self.lora_step.slots)
+
+    def _stack_inputs(self, input_ids, positions, kv_caches, meta) -> tuple:
+        return (
+            self.embed_tokens(input_ids),
+            positions,
+            self.rotary.cos,
+            self.rotary.sin_signed,
+            [k_cache for k_cache, _ in kv_caches],
+            [v_cache for _, v_cache in kv_caches],
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -170,7 +192,16 @@ class LlamaForCausalLM(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each row's greedy token, the argmax of its fp32 logits, through the GreedyHead; the
         fp32 logits only for the rows it leaves (not finite)."""
-        tokens = self.greedy_head(hidden)
+        return self._complete_greedy(hidden, self.greedy_head(hidden))
+
+    def forward_greedy(self, input_ids, positions, kv_caches, meta):
+        """(the outputs of every token, each one's greedy token) from the stack's one call
+        (LlamaModel.forward_greedy), or None where it does not apply."""
+        out = self.model.forward_greedy(input_ids, positions, kv_caches, meta)
+        return None if out is None else (out[0], self._complete_greedy(*out))
+
+    def _complete_greedy(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """`tokens` with the rows the greedy head left (-1) picked from their fp32 logits."""
         left = (tokens < 0).nonzero()[:, 0]
         if len(left):
             logits = self.compute_logits(hidden[left])
@@ -197,7 +228,11 @@ class LlamaForCausalLM(nn.Module):
             whole = self.model.embed_tokens.group.world_size == 1
             if isinstance(self.lm_head_packed, NativeLinearWeight) and whole:
                 self.greedy_head = GreedyHead.try_build(self._lm_head_weight().data)
-            self.model.native_stack = native_stack(self.model)
+            self.model.native_stack = stack = native_stack(self.model)
+            if stack is not None and self.greedy_head is not None:
+                head = self.greedy_head
+                stack.set_greedy_head(head.approx.packed, head.weight, head.norms)
+                self.model.stack_has_greedy_head = True
             return
         embedding = self.model.embed_tokens.quantize()
         if self.tied:

@@ -3,6 +3,8 @@ argmax (the first of equal maxima), and only for requests that need nothing else
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -123,6 +125,56 @@ def test_argmax_only_chunks_give_the_argmax_of_the_logits_beside_other_chunks(
     assert step.logits.shape == (2, vocab)  # rows for the two that asked, in chunk order
     expected = step.logits.argmax(dim=-1).tolist()
     assert list(step.greedy_tokens) == [expected[1], expected[0]]
+
+
+class GreedyCountingStack:
+    """Hands every call to the real stack and counts its forward_greedy calls, and those it
+    splits by sequences (args 8 and 9 are seq_lens and query_start_loc)."""
+
+    def __init__(self, stack):
+        self.stack = stack
+        self.greedy_calls = self.split_greedy_calls = 0
+
+    def forward(self, *args):
+        return self.stack.forward(*args)
+
+    def forward_greedy(self, *args):
+        self.greedy_calls += 1
+        self.split_greedy_calls += len(self.stack.sequence_parts(args[8], args[9], None)) > 2
+        return self.stack.forward_greedy(*args)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_step_of_greedy_decodes_picks_its_tokens_in_the_stack(threads, smollm2_dir):
+    """A step of argmax_only decodes alone takes its tokens from the C++ stack's call (with two
+    threads split in two runs, each thread going on to the head's work as its run ends): the
+    argmax of the same step's fp32 logits, for contexts of 2-10 random tokens (flat logits,
+    many tokens near the top)."""
+    native = bf16_panels()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=8, max_num_seqs=32)
+        runner, _, _ = build_runner(smollm2_dir, options, TensorParallelGroup())
+        stack = GreedyCountingStack(runner.model.model.native_stack)
+        runner.model.model.native_stack = stack
+        generator = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(100, 40000, (1 + s % 9,), generator=generator) for s in range(32)]
+        tables = [(2 * s, 2 * s + 1) for s in range(32)]
+        runner.execute(
+            [SequenceChunk(tuple(p.tolist()), 0, tables[s], False) for s, p in enumerate(prompts)]
+        )
+        decodes = [
+            SequenceChunk((int(p[0]),), len(p), tables[s], True, argmax_only=True)
+            for s, p in enumerate(prompts)
+        ]
+        tokens = runner.execute_step(decodes).greedy_tokens
+        logits = runner.execute([dataclasses.replace(d, argmax_only=False) for d in decodes])
+    finally:
+        torch.set_num_threads(before)
+    assert list(tokens) == native.greedy_pick(logits)[0].tolist()
+    assert stack.greedy_calls == 1
+    assert stack.split_greedy_calls == (1 if threads == 2 else 0)
 
 
 def test_rows_left_by_the_head_get_the_argmax_of_their_fp32_logits(smollm2_dir):
