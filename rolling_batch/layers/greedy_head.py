@@ -6,6 +6,11 @@ in fp32, exactly as the fp32 panels compute them (`greedy_head_pick` in
 kernels/csrc/cpu_ops.cpp). The token is the one the fp32 logits' argmax gives, bit for bit the
 same comparison; the log-prob is not known, so only requests that report none take it.
 
+A step of greedy decodes alone picks its tokens inside the C++ decoder stack's call
+(`DecoderStack.forward_greedy`, the same approximations and pick): where the step runs as one
+run of sequences a thread, each thread goes on from its run to the head's work instead of
+waiting for the slower run.
+
 The LM head is ~21% of a decode token's multiply-adds for SmolLM2-135M (its 49k x 576 tied
 embedding against 106M parameters in the layers), and at 32-64 rows the fp32 panels run at the
 CPU's multiply-add peak: halving its arithmetic is what is left to take there.
