@@ -2445,8 +2445,8 @@ class DecoderStack {
     const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
     if (parts < 2) {
       const at::Tensor hidden =
-          forward(embedded, positions, cos, sin_signed, k_caches, v_caches, slot_mapping,
-                  block_tables, seq_lens, query_start_loc, std::nullopt);
+          forward_rows(embedded, positions, cos, sin_signed, k_caches, v_caches, slot_mapping,
+                       block_tables, seq_lens, query_start_loc, std::nullopt);
       const at::Tensor approx =
           packed_linear(hidden.to(at::kBFloat16), head_->approx, vocab(), std::nullopt);
       return {hidden, greedy_head_pick(hidden, approx, head_->weight, head_->norms)};

@@ -107,7 +107,6 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.native_stack = None  # set by LlamaForCausalLM.pack_weights where it applies
-        self.stack_has_greedy_head = False
         self.lora_step: LoraStep | None = None  # LoRA: the stack serves steps without adapters
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -125,14 +124,10 @@ class LlamaModel(nn.Module):
         return self.norm(hidden, residual)[0]
 
     def forward_greedy(self, input_ids, positions, kv_caches, meta):
-        """(forward's outputs for every token, each one's greedy token or -1) from one C++ call
-        where the stack holds the greedy head (`set_greedy_head`): a split step's threads share
-        the head's work as their runs end. None where it does not apply."""
-        if (
-            not self.stack_has_greedy_head
-            or not self._stack_serves()
-            or meta.output_rows is not None
-        ):
+        """(forward's outputs for every token, each one's greedy token or -1) from one C++ call,
+        for a caller that gave the stack the greedy head (`set_greedy_head`): a split step's
+        threads share the head's work as their runs end. None where the stack does not serve."""
+        if not self._stack_serves() or meta.output_rows is not None:
             return None
         return self.native_stack.forward_greedy(
             *self._stack_inputs(input_ids, positions, kv_caches, meta)
@@ -196,7 +191,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward_greedy(self, input_ids, positions, kv_caches, meta):
         """(the outputs of every token, each one's greedy token) from the stack's one call
-        (LlamaModel.forward_greedy), or None where it does not apply."""
+        (LlamaModel.forward_greedy), or None where it does not apply. pack_weights hands the
+        stack the greedy head wherever both exist."""
+        if self.greedy_head is None:
+            return None
         out = self.model.forward_greedy(input_ids, positions, kv_caches, meta)
         return None if out is None else (out[0], self._complete_greedy(*out))
 
@@ -232,7 +230,6 @@ class LlamaForCausalLM(nn.Module):
             if stack is not None and self.greedy_head is not None:
                 head = self.greedy_head
                 stack.set_greedy_head(head.approx.packed, head.weight, head.norms)
-                self.model.stack_has_greedy_head = True
             return
         embedding = self.model.embed_tokens.quantize()
         if self.tied:
