@@ -82,6 +82,7 @@ class ServingConfig:
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int  # resolved: the default is max_loras
+    step_trace: str | None  # a file for each rolling step's shape and phase times
     # Unknown option.* keys (prefix stripped), kept for custom handlers.
     extra_options: dict[str, str] = field(default_factory=dict)
 

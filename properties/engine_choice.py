@@ -21,6 +21,7 @@ ROLLING_ONLY_KEYS = (
     "option.max_rolling_batch_size",
     "option.max_rolling_batch_prefill_tokens",
     "option.scheduling_policy",
+    "option.step_trace",
     "option.paged_attention",
     "option.block_size",
     "option.num_kv_blocks",

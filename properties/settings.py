@@ -314,6 +314,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("option.max_lora_rank", "max_lora_rank", integer(1), 16),
     # Adapters kept loaded (the others are read from disk when asked for); None: max_loras.
     Setting("option.max_cpu_loras", "max_cpu_loras", integer(1), None),
+    # A file the rolling engine appends each step's shape and phase times to, a JSON line a
+    # step (benchmarks/step_floor.py reads it); unset: none is written.
+    Setting("option.step_trace", "step_trace", text, None),
 )
 
 SETTINGS_BY_KEY = {setting.key: setting for setting in SETTINGS}

@@ -25,7 +25,7 @@ import zmq
 
 from . import protocol
 from .adapter_registry import AdapterRegistry, lora_off_answer
-from .engine_stats import EngineStats, PhaseTimer
+from .engine_stats import EngineStats, PhaseTimer, StepTrace
 from .ipc import drain_router
 from .model_runner import StepLogits
 from .request import Request
@@ -53,6 +53,7 @@ class RollingEngine:
         world_size: int = 1,
         slot_timeout_s: float | None = None,
         adapters: AdapterRegistry | None = None,
+        step_trace: StepTrace | None = None,
     ):
         self.execute = execute
         self.scheduler = scheduler
@@ -64,6 +65,7 @@ class RollingEngine:
         # option.predict_timeout: how long a request may wait for its place in the batch.
         self.slot_timeout_s = slot_timeout_s
         self.adapters = adapters  # the LoRA adapters served; None: LoRA is off
+        self.step_trace = step_trace  # option.step_trace; None: no trace
         self.stats = EngineStats()
         self._unstreamed: set[Request] = set()  # answered with one final event
         self._prefix_seen = (0, 0)  # prefix-cache (query, hit) tokens at the last log line
@@ -138,6 +140,8 @@ class RollingEngine:
         for identity, group in events.items():
             self._send(identity, group[0] if len(group) == 1 else protocol.BatchEvent(group))
         timer.mark("send")
+        if self.step_trace is not None:
+            self.step_trace.record(out.chunks, timer)
         self._profile(timer, len(out.requests))
 
     def _sample(self, step_logits: StepLogits, out: SchedulerOutput):

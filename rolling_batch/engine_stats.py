@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import bisect
+import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -59,6 +60,25 @@ class PhaseTimer:
     @property
     def total(self) -> float:
         return self.last - self.start
+
+
+class StepTrace:
+    """option.step_trace: each step's shape and phase times appended to a file, a JSON line a
+    step: {"t": wall clock at the step's end, "chunks": [[new tokens, tokens computed before,
+    needs logits, argmax only], ...] in step order, "phases": {phase: seconds}}.
+    benchmarks/step_floor.py sets a served run's steps against the machine's floor and replays
+    them offline. Line-buffered: a trace read while the server runs holds whole steps."""
+
+    def __init__(self, path: str):
+        try:
+            self._file = open(path, "a", buffering=1)  # noqa: SIM115 (open while the engine runs)
+        except OSError as error:
+            raise ValueError(f"option.step_trace: cannot write {path}: {error.strerror}") from None
+
+    def record(self, chunks, timer: PhaseTimer) -> None:
+        shape = [[len(c.token_ids), c.num_computed, c.needs_logits, c.argmax_only] for c in chunks]
+        line = {"t": time.time(), "chunks": shape, "phases": timer.seconds}
+        self._file.write(json.dumps(line) + "\n")
 
 
 @dataclass

@@ -14,6 +14,7 @@ from .adapter_registry import AdapterRegistry
 from .block_manager import BlockManager
 from .engine_loop import RollingEngine
 from .engine_setup import RuntimeOptions, build_runner
+from .engine_stats import StepTrace
 from .eos_tokens import eos_token_ids
 from .mpi_worker import StepBroadcaster, follow, make_group, ranks_on_this_host
 from .runtime import Runtime, write_state
@@ -59,8 +60,10 @@ def main() -> None:
         argmax_head=runner.argmax_head,
         shortest_first=config.scheduling_policy == "shortest_first",
     )
-    # Before the ready state: a tokenizer that fails to load here must fail start-up.
+    # Before the ready state: a tokenizer that fails to load here, or a step trace that
+    # cannot be written, must fail start-up.
     eos = eos_token_ids(runtime.model_path, trust_remote_code=config.trust_remote_code)
+    step_trace = StepTrace(config.step_trace) if config.step_trace else None
     socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.bind(runtime.engine_address)
     dtype = str(runner.model.dtype).removeprefix("torch.")
@@ -97,6 +100,7 @@ def main() -> None:
         world_size=comm.Get_size(),
         slot_timeout_s=config.predict_timeout,
         adapters=adapters,
+        step_trace=step_trace,
     )
     engine.run_forever()
 

@@ -84,6 +84,7 @@ CONTRACT_DEFAULTS = {
     "max_loras": 4,
     "max_lora_rank": 16,
     "max_cpu_loras": 4,
+    "step_trace": None,
     "extra_options": {},
 }
 
@@ -193,6 +194,7 @@ def test_plain_server_keys_from_the_file(tmp_path):
         ("option.max_lora_rank=64", "max_lora_rank", 64),
         ("option.max_loras=8", "max_cpu_loras", 8),  # follows max_loras unless set
         ("option.max_cpu_loras=10", "max_cpu_loras", 10),
+        ("option.step_trace=/tmp/steps.jsonl", "step_trace", "/tmp/steps.jsonl"),
         ("batch_size = 2   ", "batch_size", 2),  # trailing spaces around numbers are fine
     ],
 )

@@ -7,6 +7,7 @@ engine goes on serving."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -19,7 +20,7 @@ import zmq
 from lmserve.rolling_batch import engine_loop, protocol
 from lmserve.rolling_batch.block_manager import BlockManager
 from lmserve.rolling_batch.engine_loop import RollingEngine
-from lmserve.rolling_batch.engine_stats import PHASES, PhaseTimer, StepProfile
+from lmserve.rolling_batch.engine_stats import PHASES, PhaseTimer, StepProfile, StepTrace
 from lmserve.rolling_batch.ipc import drain_router
 from lmserve.rolling_batch.model_runner import PromptScores, StepLogits
 from lmserve.rolling_batch.protocol import GenerationParams
@@ -190,6 +191,39 @@ def test_steps_are_profiled_by_phase(sockets):
     run_until_idle(engine)
     (answer,) = receive_all(dealer)[-1:]
     assert isinstance(answer, protocol.StatsEvent) and answer.stats["num_steps"] == 6
+
+
+def test_a_step_trace_holds_each_steps_chunks_and_phases(sockets, tmp_path):
+    """option.step_trace: a JSON line a step, each chunk's new tokens, the tokens before them
+    and what it asks for, in step order (what benchmarks/step_floor.py replays)."""
+    router, connect = sockets
+    path = tmp_path / "steps.jsonl"
+    engine = make_engine(router, argmax_head=True)
+    engine.step_trace = StepTrace(str(path))
+    dealer = connect()
+    submit(dealer, "a", [1, 2, 3], 3, log_probs=False)
+    wait_for_messages(router)
+    run_until_idle(engine)
+    submit(dealer, "b", [4, 5], 2)
+    wait_for_messages(router)
+    run_until_idle(engine)
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [step["chunks"] for step in steps] == [
+        [[3, 0, True, True]],
+        [[1, 3, True, True]],
+        [[1, 4, True, True]],
+        [[2, 0, True, False]],
+        [[1, 2, True, False]],
+    ]
+    assert all(
+        set(step["phases"]) <= set(PHASES) and step["phases"]["forward"] > 0 for step in steps
+    )
+    assert steps[0]["t"] <= steps[-1]["t"] <= time.time()
+
+
+def test_a_step_trace_that_cannot_be_written_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"option.step_trace: cannot write .*missing"):
+        StepTrace(str(tmp_path / "missing" / "steps.jsonl"))
 
 
 def test_profile_log_line_comes_once_a_window_is_long_enough(sockets, caplog, monkeypatch):
