@@ -4,6 +4,7 @@ turns that into one message naming key and value."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,15 @@ def choice(*allowed: str, aliases: dict[str, str] | None = None) -> Callable[[st
 
 def text(value: str) -> str:
     return value.strip()
+
+
+def writable_file(text_value: str) -> str:
+    """A file path whose folder exists and may be written (the file itself is appended to)."""
+    path = text_value.strip()
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError("a file path in an existing folder this server may write to")
+    return path
 
 
 def tensor_parallel_degree(text_value: str) -> int | str:
@@ -316,7 +326,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("option.max_cpu_loras", "max_cpu_loras", integer(1), None),
     # A file the rolling engine appends each step's shape and phase times to, a JSON line a
     # step (benchmarks/step_floor.py reads it); unset: none is written.
-    Setting("option.step_trace", "step_trace", text, None),
+    Setting("option.step_trace", "step_trace", writable_file, None),
 )
 
 SETTINGS_BY_KEY = {setting.key: setting for setting in SETTINGS}

@@ -852,6 +852,11 @@ def test_equal_min_and_max_workers_are_fine(tmp_path):
             ["option.scheduling_policy='priority'", "one of shortest_first, fcfs"],
         ),
         (
+            "option.step_trace=/no/such/folder/steps.jsonl",
+            None,
+            ["option.step_trace='/no/such/folder/steps.jsonl'", "an existing folder"],
+        ),
+        (
             "batch_size=4\noption.rolling_batch=auto",
             None,
             ["batch_size=4", "option.rolling_batch='auto'", "batch_size=1"],
