@@ -20,6 +20,7 @@ def summarize(wall_seconds: float, results) -> dict:
     ok = [r for r in results if r.error is None]
     latencies = [r.latency for r in ok if r.latency is not None]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
+    first_tokens = [r.sent_at + r.ttft for r in ok if r.ttft is not None]
     generated = sum(r.output_tokens for r in ok)
     summary = {
         "num_requests": len(results),
@@ -29,6 +30,9 @@ def summarize(wall_seconds: float, results) -> dict:
         "tokens_generated": generated,
         "throughput_tokens_per_s": generated / wall_seconds if wall_seconds > 0 else 0.0,
         "mean_latency_s": statistics.fmean(latencies) if latencies else None,
+        # When the last request's first token came: a burst's prompts are all computed by then
+        # (prefill), and what follows is decoding.
+        "all_first_tokens_s": max(first_tokens) if first_tokens else None,
     }
     for q in (50, 90, 99):
         summary[f"ttft_p{q}_s"] = percentile(ttfts, q)
@@ -51,6 +55,40 @@ def markdown(runs: dict[str, dict]) -> str:
             f" {s['throughput_tokens_per_s']:.1f} | {ttft} | {latency} |"
         )
     return "\n".join([header, *rows])
+
+
+def head_to_head(pairs: list[tuple[dict, dict]], ours: str, peer: str) -> str:
+    """A markdown table of two servers' rounds of one workload (`pairs`: each round's two runs,
+    ours first), summed over the rounds: tokens/s, and the wall time split where the burst's
+    last request got its first token. Until then both servers mostly compute prompts; after
+    it, only decodes. The speed-up is each sum of the peer's over ours (for tokens/s, ours
+    over the peer's)."""
+    summaries = [(a["summary"], b["summary"]) for a, b in pairs]
+    if any(s["all_first_tokens_s"] is None for pair in summaries for s in pair):
+        return ""  # a run with no first token at all: nothing to split
+
+    def summed(key, side):
+        return sum(pair[side][key] for pair in summaries)
+
+    rate = [summed("throughput_tokens_per_s", side) for side in (0, 1)]
+    until = [summed("all_first_tokens_s", side) for side in (0, 1)]
+    after = [summed("wall_seconds", side) - until[side] for side in (0, 1)]
+    rows = [
+        ("tokens/s, summed over rounds", rate, _ratio(rate[0], rate[1]), ".1f"),
+        ("s until every request's first token", until, _ratio(until[1], until[0]), ".2f"),
+        ("s after it, to the last token", after, _ratio(after[1], after[0]), ".2f"),
+    ]
+    lines = [
+        f"| {len(pairs)} rounds | {ours} | {peer} | {ours}'s speed-up |",
+        "|---|---|---|---|",
+    ]
+    for name, (a, b), ratio, form in rows:
+        lines.append(f"| {name} | {a:{form}} | {b:{form}} | {ratio} |")
+    return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "-"
 
 
 def _seconds(value: float | None) -> str:

@@ -269,6 +269,7 @@ def main() -> None:
     options.out.mkdir(parents=True, exist_ok=True)
     for dtype in options.dtypes:
         runs: dict[str, dict[str, dict]] = {w.name: {} for w in workloads}
+        pairs: dict[str, list[tuple[dict, dict]]] = {w.name: [] for w in workloads}
         log_path = Path(tempfile.gettempdir()) / f"lmserve-bench-vllm-{dtype}.log"
         # Both servers up at once, their runs interleaved: this machine's speed drifts by
         # 10-30% over minutes, and alternating keeps the drift out of the comparison.
@@ -292,6 +293,7 @@ def main() -> None:
                 vllm_run = measure(peer, "openai", requests, "smollm2", w.concurrency, GREEDY)
                 runs[w.name][f"lmserve (rolling, paged){label}"] = lmserve_run
                 runs[w.name][f"{vllm_label}{label}"] = vllm_run
+                pairs[w.name].append((lmserve_run, vllm_run))
                 if w.shares_prefixes:
                     off_run = measure(off, "openai", requests, None, w.concurrency, GREEDY)
                     runs[w.name][f"lmserve, prefix cache off{label}"] = off_run
@@ -305,6 +307,10 @@ def main() -> None:
             folder = f"{w.name}-{dtype}" + (f"-ngram-{options.speculate}" if speculate else "")
             report.write(runs[w.name], options.out / folder, title)
             print(f"\n{title}\n{report.markdown(runs[w.name])}")
+            if w.concurrency is None:  # a burst: where its ratio comes from, prompts or decodes
+                phases = report.head_to_head(pairs[w.name], "lmserve", vllm_label)
+                (options.out / folder / "head_to_head.md").write_text(f"## {title}\n\n{phases}\n")
+                print(f"\n{phases}")
 
 
 if __name__ == "__main__":
