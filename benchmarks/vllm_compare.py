@@ -13,7 +13,9 @@ reserved. Both servers answer the same streamed OpenAI completions, greedy (`tem
 and without log-probs (until 2026-11-25 lmserve answered DJL's jsonlines, whose tokens carry
 their log-probs, and vLLM sampled at its default temperature of 1); `lmserve bench`'s load
 generator drives both. Results go to
-benchmarks/results/vllm/<workload>-<dtype>/. `--workloads NAME ...` runs some of them only:
+benchmarks/results/vllm/<workload>-<dtype>/; a burst's folder also gets `head_to_head.md`, its
+rounds summed and split where its last request got its first token (its prompts' part and its
+decodes' part). `--workloads NAME ...` runs some of them only:
 
     .venv/bin/python -m lmserve.benchmarks.vllm_compare --vllm-python VENV/bin/python \
         --workloads single-in32-out256 --rounds 1
