@@ -10,9 +10,11 @@ row's linears in every layer, each logits row's LM head, attention over the keys
 row; bytes: the weights once a step and every key's K/V once a step. The steps are grouped by
 kind (a step with a prompt chunk, decode steps by batch size), and each group's served forward
 time is set against its floor: what the model's arithmetic and memory traffic cannot go below,
-whatever the engine does. `--replay` also runs each step's shape offline on the runtime (one
-process, no server, the same chunk sizes and contexts on disjoint blocks) for the share the
-serving environment costs.
+whatever the engine does; and against a second floor that adds each step's K/V read to its
+arithmetic, which is how a 2-core Zen 4 runs them (`kv_apart_floor_seconds`). `--replay` also
+runs each step's shape offline on the runtime (one process, no server, the same chunk sizes
+and contexts on disjoint blocks) for the share the serving environment costs. `--burst-only`
+drops a burst's warm-up (`lmserve bench`'s and `vllm_compare`'s two requests before it).
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ def read_trace(path: Path) -> list[TracedStep]:
     return steps
 
 
+def burst_steps(steps: list[TracedStep]) -> list[TracedStep]:
+    """The steps from the first of more than two sequences on: a burst without the two-request
+    warm-up that `lmserve bench` and `vllm_compare` send before it (none if no step has)."""
+    first = next((i for i, step in enumerate(steps) if len(step.chunks) > 2), len(steps))
+    return steps[first:]
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What a step's work depends on, from a Llama-style config.json."""
@@ -113,8 +122,9 @@ class Machine:
     stream: float  # bytes per second, all threads
 
 
-def step_work(step: TracedStep, shape: ModelShape) -> tuple[float, float]:
-    """(flops, bytes) of a step; see the module's docstring. A row whose greedy token the model
+def step_work(step: TracedStep, shape: ModelShape) -> tuple[float, float, float]:
+    """(flops, bytes of the weights and LM head, bytes of K/V) of a step; see the module's
+    docstring. A row whose greedy token the model
     picks (argmax_only) costs its LM head at bf16's price: the runtime screens the vocabulary
     with the head's bf16 copy at twice the fp32 rate (AVX512-BF16) and computes the few rows its
     bound leaves in fp32, so an fp32 head would put that step's floor above what it takes."""
@@ -131,12 +141,22 @@ def step_work(step: TracedStep, shape: ModelShape) -> tuple[float, float]:
     head = shape.hidden * shape.vocab * head_bytes if logits_rows + greedy_rows else 0
     keys = sum(c.computed + c.new_tokens for c in step.chunks)
     kv = keys * 2 * shape.kv_heads * shape.head_dim * shape.layers
-    return flops, float(shape.layer_weights * shape.layers + kv) * shape.element_bytes + head
+    weights = float(shape.layer_weights * shape.layers) * shape.element_bytes + head
+    return flops, weights, float(kv) * shape.element_bytes
 
 
 def floor_seconds(step: TracedStep, shape: ModelShape, machine: Machine) -> float:
-    flops, bytes_moved = step_work(step, shape)
-    return max(flops / machine.flops, bytes_moved / machine.stream)
+    flops, weights, kv = step_work(step, shape)
+    return max(flops / machine.flops, (weights + kv) / machine.stream)
+
+
+def kv_apart_floor_seconds(step: TracedStep, shape: ModelShape, machine: Machine) -> float:
+    """The floor where a step's K/V read adds to its arithmetic instead of streaming under it:
+    what a 2-core Zen 4 allows, where every way tried of reading K/V during the linears took
+    from their weight stream what it gave attention (the performance log, 2026-11-27). The
+    weights still stream under the multiply-adds."""
+    flops, weights, kv = step_work(step, shape)
+    return max(flops / machine.flops, weights / machine.stream) + kv / machine.stream
 
 
 def measure_machine(dtype: torch.dtype) -> Machine:
@@ -186,15 +206,23 @@ def replay_seconds(
     return best
 
 
-def table(steps: list[TracedStep], floors: list[float], offline: list[float] | None) -> str:
+def table(
+    steps: list[TracedStep],
+    floors: list[float],
+    kv_apart: list[float],
+    offline: list[float] | None,
+) -> str:
+    """Steps summed by kind: served time, each floor (`floor_seconds`,
+    `kv_apart_floor_seconds`) and its share of the forward time, and the offline replay's."""
     groups: dict[str, list[int]] = defaultdict(list)
     for index, step in enumerate(steps):
         groups[step.group].append(index)
     order = [PROMPT_GROUP, *(name for _, name in DECODE_GROUPS)]
     header = (
-        "| steps | count | rows | served step s | served forward s | floor s | floor / forward |"
+        "| steps | count | rows | served step s | served forward s | floor s | floor / forward"
+        " | floor, K/V apart s | K/V apart / forward |"
     )
-    rule = "|---|---|---|---|---|---|---|"
+    rule = "|---|---|---|---|---|---|---|---|---|"
     if offline is not None:
         header += " offline forward s | served / offline |"
         rule += "---|---|"
@@ -206,9 +234,10 @@ def table(steps: list[TracedStep], floors: list[float], offline: list[float] | N
         served = sum(sum(steps[i].phases.values()) for i in members)
         forward = sum(steps[i].phases.get("forward", 0.0) for i in members)
         floor = sum(floors[i] for i in members)
+        apart = sum(kv_apart[i] for i in members)
         rows = sum(steps[i].rows for i in members)
         line = f"| {name} | {len(members)} | {rows} | {served:.2f} | {forward:.2f} | {floor:.2f}"
-        line += f" | {floor / forward:.0%} |"
+        line += f" | {floor / forward:.0%} | {apart:.2f} | {apart / forward:.0%} |"
         if offline is not None:
             replayed = sum(offline[i] for i in members)
             line += f" {replayed:.2f} | {forward / replayed:.3f} |"
@@ -225,8 +254,15 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the server's")
     parser.add_argument("--replay", action="store_true", help="also time each step offline")
     parser.add_argument("--passes", type=int, default=2, help="replays of the trace (fastest kept)")
+    parser.add_argument(
+        "--burst-only",
+        action="store_true",
+        help="drop the steps before the first of more than two sequences (a burst's warm-up)",
+    )
     options = parser.parse_args()
     steps = read_trace(options.trace)
+    if options.burst_only:
+        steps = burst_steps(steps)
     if not steps:
         raise SystemExit(f"{options.trace} holds no steps")
     from lmserve.rolling_batch.model_source import local_model_path
@@ -240,10 +276,11 @@ def main() -> None:
     rates = f"{machine.flops / 1e9:.0f} GFLOP/s ({options.dtype} packed linear)"
     print(f"machine: {rates}, {machine.stream / 1e9:.1f} GB/s")
     floors = [floor_seconds(step, shape, machine) for step in steps]
+    kv_apart = [kv_apart_floor_seconds(step, shape, machine) for step in steps]
     offline = (
         replay_seconds(steps, model_dir, options.dtype, options.passes) if options.replay else None
     )
-    print(table(steps, floors, offline))
+    print(table(steps, floors, kv_apart, offline))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """step_floor: a traced step's floor is its arithmetic at the machine's matmul rate or its
-bytes at the machine's stream, whichever is longer; steps are grouped by kind and summed in
-the table; a trace replays offline on the runtime, step by step."""
+bytes at the machine's stream, whichever is longer, and with its K/V apart, the K/V's bytes
+after that; steps are grouped by kind and summed in the table; a trace replays offline on the
+runtime, step by step."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from lmserve.benchmarks.step_floor import (
     Machine,
     ModelShape,
     TracedStep,
+    burst_steps,
     floor_seconds,
+    kv_apart_floor_seconds,
     read_trace,
     replay_seconds,
     table,
@@ -45,6 +48,17 @@ def test_a_greedy_rows_head_counts_at_the_bf16_rate():
     assert floor_seconds(greedy_prompt, SHAPE, Machine(1000.0, 1e12)) == pytest.approx(1.96)
 
 
+def test_a_steps_kv_read_adds_to_its_arithmetic_where_the_kv_is_apart():
+    machine = Machine(flops=1000.0, stream=2000.0)
+    # The decode above: 576 + the greedy head's 40 + attention's 192 = 808 flops, 0.808 s;
+    # weights and head 1,232 bytes, 0.616 s, under them; K/V 192 bytes, 0.096 s.
+    assert floor_seconds(DECODE, SHAPE, machine) == pytest.approx(0.808)
+    assert kv_apart_floor_seconds(DECODE, SHAPE, machine) == pytest.approx(0.904)
+    # Bound by its bytes, the step reads them all one after the other either way.
+    slow_stream = Machine(flops=1000.0, stream=1000.0)
+    assert kv_apart_floor_seconds(DECODE, SHAPE, slow_stream) == pytest.approx(1.424)
+
+
 def test_a_trace_reads_back_and_its_steps_sum_by_kind(tmp_path):
     path = tmp_path / "steps.jsonl"
     lines = [
@@ -56,12 +70,20 @@ def test_a_trace_reads_back_and_its_steps_sum_by_kind(tmp_path):
     steps = read_trace(path)
     assert steps == [PROMPT, DECODE, DECODE]
     assert [step.group for step in steps] == ["with prompt chunks", *["decode, 1-7 rows"] * 2]
-    rows = table(steps, [2.0, 1.0, 1.0], offline=[2.0, 1.0, 1.0]).splitlines()[2:]
+    floors, kv_apart, offline = [2.0, 1.0, 1.0], [3.0, 1.5, 1.5], [2.0, 1.0, 1.0]
+    rows = table(steps, floors, kv_apart, offline).splitlines()[2:]
     assert rows == [
-        "| with prompt chunks | 1 | 3 | 4.00 | 4.00 | 2.00 | 50% | 2.00 | 2.000 |",
-        "| decode, 1-7 rows | 2 | 2 | 6.00 | 4.00 | 2.00 | 50% | 2.00 | 2.000 |",
-        "| all | 3 | 5 | 10.00 | 8.00 | 4.00 | 50% | 4.00 | 2.000 |",
+        "| with prompt chunks | 1 | 3 | 4.00 | 4.00 | 2.00 | 50% | 3.00 | 75% | 2.00 | 2.000 |",
+        "| decode, 1-7 rows | 2 | 2 | 6.00 | 4.00 | 2.00 | 50% | 3.00 | 75% | 2.00 | 2.000 |",
+        "| all | 3 | 5 | 10.00 | 8.00 | 4.00 | 50% | 6.00 | 75% | 4.00 | 2.000 |",
     ]
+
+
+def test_a_bursts_steps_start_at_its_first_step_of_more_than_two_sequences():
+    burst = TracedStep((Chunk(3, 0, True, False),) * 3, {"forward": 4.0})
+    tail = TracedStep((Chunk(1, 5, True, True),) * 2, {"forward": 2.0})
+    assert burst_steps([PROMPT, DECODE, DECODE, burst, tail, DECODE]) == [burst, tail, DECODE]
+    assert burst_steps([PROMPT, DECODE]) == []
 
 
 def test_a_trace_replays_every_step_offline(tiny_model_dir):
