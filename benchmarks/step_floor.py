@@ -124,10 +124,10 @@ class Machine:
 
 def step_work(step: TracedStep, shape: ModelShape) -> tuple[float, float, float]:
     """(flops, bytes of the weights and LM head, bytes of K/V) of a step; see the module's
-    docstring. A row whose greedy token the model
-    picks (argmax_only) costs its LM head at bf16's price: the runtime screens the vocabulary
-    with the head's bf16 copy at twice the fp32 rate (AVX512-BF16) and computes the few rows its
-    bound leaves in fp32, so an fp32 head would put that step's floor above what it takes."""
+    docstring. A row whose greedy token the model picks (argmax_only) costs its LM head at
+    bf16's price: the runtime screens the vocabulary with the head's bf16 copy at twice the
+    fp32 rate (AVX512-BF16) and computes the few rows its bound leaves in fp32, so an fp32 head
+    would put that step's floor above what it takes."""
     logits_rows = sum(c.needs_logits and not c.argmax_only for c in step.chunks)
     greedy_rows = sum(c.needs_logits and c.argmax_only for c in step.chunks)
     flops = 2.0 * step.rows * shape.layer_weights * shape.layers
