@@ -23,6 +23,9 @@ from . import loadgen, report, soak
 from .serving import running_server
 from .workload import Lengths, PromptBuilder, plan, spread_over_adapters
 
+# Requests of a run's plan sent once before it is measured (step_floor drops their steps).
+WARMUP_REQUESTS = 2
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_mutually_exclusive_group(required=True)
@@ -154,7 +157,7 @@ def measure(
     concurrency: int | None = None,
     openai_extra: dict | None = None,
 ) -> dict:
-    loadgen.run(url, api, planned[:2], model, concurrency, openai_extra)  # warm-up
+    loadgen.run(url, api, planned[:WARMUP_REQUESTS], model, concurrency, openai_extra)
     wall, results = loadgen.run(url, api, planned, model, concurrency, openai_extra)
     return {
         "url": url,

@@ -30,6 +30,7 @@ import torch
 
 from lmserve.properties.config import default_cache_dir
 
+from .bench_cli import WARMUP_REQUESTS
 from .runtime_throughput import DTYPES, batch_runner, matmul_rates
 
 # Decode steps grouped by batch size: few rows stream the weights, many are bound by the
@@ -72,9 +73,12 @@ def read_trace(path: Path) -> list[TracedStep]:
 
 
 def burst_steps(steps: list[TracedStep]) -> list[TracedStep]:
-    """The steps from the first of more than two sequences on: a burst without the two-request
-    warm-up that `lmserve bench` and `vllm_compare` send before it (none if no step has)."""
-    first = next((i for i, step in enumerate(steps) if len(step.chunks) > 2), len(steps))
+    """The steps from the first of more sequences than the warm-up's requests on: a burst
+    without the warm-up that `lmserve bench` and `vllm_compare` send before it (none if no
+    step has more)."""
+    first = next(
+        (i for i, step in enumerate(steps) if len(step.chunks) > WARMUP_REQUESTS), len(steps)
+    )
     return steps[first:]
 
 
@@ -257,7 +261,7 @@ def main() -> None:
     parser.add_argument(
         "--burst-only",
         action="store_true",
-        help="drop the steps before the first of more than two sequences (a burst's warm-up)",
+        help="drop the steps before the burst's first (those of its warm-up requests)",
     )
     options = parser.parse_args()
     steps = read_trace(options.trace)
