@@ -120,6 +120,8 @@ def read_openai_sampling(
             "repetition_penalty", 1.0, minimum=0.0, exclusive_minimum=True
         ),
         ignore_eos=reader.boolean("ignore_eos", False),
+        # vLLM's: prompts share the prefix cache only with requests of the same salt.
+        cache_salt=reader.text("cache_salt"),
     )
     n = reader.integer("n", 1, minimum=1, maximum=MAX_SEQUENCES)
     for penalty in ("frequency_penalty", "presence_penalty"):

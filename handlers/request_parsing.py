@@ -157,6 +157,7 @@ def _parse_parameters(raw: dict[str, Any], tgi_compat: bool) -> dict[str, Any]:
         ignore_eos=reader.boolean("ignore_eos_token", False),
         top_logprobs=reader.integer("top_n_tokens", 0, minimum=0, maximum=MAX_TOP_LOGPROBS),
         prompt_logprobs=reader.boolean("decoder_input_details", False),
+        cache_salt=reader.text("cache_salt"),
     )
     n, best_of = _sequences(reader, do_sample)
     stop_sequences = reader.stop_sequences() + reader.stop_sequences("stop")  # TGI's name
@@ -249,6 +250,13 @@ class _ParameterReader:
             high = f" and <= {maximum}" if maximum is not None else ""
             raise BadRequest(f"{self.prefix}{name}", f"must be {low}{high}, got {value}")
         return float(value)
+
+    def text(self, name: str) -> str | None:
+        """A non-empty string, or None when absent."""
+        value = self._get(name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise BadRequest(f"{self.prefix}{name}", f"expected a non-empty string, got {value!r}")
+        return value
 
     def stop_sequences(self, name: str = "stop_sequences") -> tuple[str, ...]:
         value = self._get(name)

@@ -102,10 +102,18 @@ class ServedAdapters:
 class AdapterRegistry(ServedAdapters):
     """Rank 0's: every rank knows the same adapters, each reading them itself."""
 
-    def __init__(self, lora: LoraManager, share: Callable[[dict[str, str]], None]):
+    def __init__(
+        self,
+        lora: LoraManager,
+        share: Callable[[dict[str, str]], None],
+        forget_cached: Callable[[str], None] = lambda name: None,
+    ):
         super().__init__({name: str(path) for name, path in lora.sources.items()})
         self.lora = lora
         self.share = share  # sends the ranks the new {name: folder} of every adapter
+        # Drops the prefix cache's blocks computed through an adapter that is gone: a new
+        # adapter under its name never meets them (their root holds its weights' digest too).
+        self.forget_cached = forget_cached
 
     def _load(self, name: str, folder: Path) -> None:
         self.lora.add(name, folder)
@@ -114,6 +122,8 @@ class AdapterRegistry(ServedAdapters):
     def _drop(self, names: set[str]) -> None:
         self.lora.set_sources({n: f for n, f in self._folders().items() if n not in names})
         self.share(self._folders())
+        for name in names:
+            self.forget_cached(name)
 
     def _folders(self) -> dict[str, str]:
         return {name: str(path) for name, path in self.lora.sources.items()}

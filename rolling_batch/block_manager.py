@@ -4,12 +4,13 @@ Paged: blocks of `block_size` tokens handed out as a request grows. Not paged: b
 max_model_len, so a request's first block is its whole contiguous slot.
 
 Prefix caching (paged only): a block whose `block_size` tokens are all computed is registered
-under a hash chain of the tokens up to its end (its own tokens and its parent's hash), so a
-later request whose tokens start the same way takes the block instead of computing it again.
-Blocks are reference-counted: several requests may hold one cached block. A block nobody
-holds is free; a free block that is cached keeps its contents and its place in the table until
-the pool needs it: blocks never cached are handed out first, then cached ones, least recently
-used first (and they leave the table then).
+under its chain, the tokens up to its end from the request's root (prefix_cache.py: adapter,
+weights, cache_salt), so a later request whose tokens start the same way takes the block
+instead of computing it again; a hit is exact, never taken on a digest alone. Blocks are
+reference-counted: several requests may hold one cached block. A block nobody holds is free; a
+free block that is cached keeps its contents and its place in the table until the pool needs
+it: blocks never cached are handed out first, then cached ones, least recently used first (and
+they leave the table then).
 
 Runs: a request's blocks are given out as one run of consecutive ids where the pool allows, so
 attention streams each sequence's K/V as one span, not a block here and a block there. A
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from .prefix_cache import PrefixTable, RequestChain
 from .request import Request
 
 _TAKEN, _AVAILABLE, _RESERVED = 0, 1, 2
@@ -44,8 +46,7 @@ class BlockManager:
         self._runs: dict[str, list[int]] = {}  # request id -> [its next block, its run's end]
         self._ref_counts = [0] * num_blocks
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free and cached, LRU first
-        self._block_of_hash: dict[int, int] = {}
-        self._hash_of_block: dict[int, int] = {}
+        self._cached = PrefixTable()
 
     @property
     def num_free(self) -> int:
@@ -54,7 +55,7 @@ class BlockManager:
 
     @property
     def num_cached(self) -> int:
-        return len(self._block_of_hash)
+        return len(self._cached)
 
     def blocks_to_hold(self, request: Request, num_tokens: int) -> int:
         """Extra blocks `request` needs for its cache to hold `num_tokens` tokens."""
@@ -77,7 +78,7 @@ class BlockManager:
         for block in reversed(request.block_ids):
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                if block in self._hash_of_block:
+                if block in self._cached:
                     self._evictable[block] = None
                 else:
                     self._state[block] = _AVAILABLE
@@ -87,48 +88,75 @@ class BlockManager:
     def reuse_cached_prefix(self, request: Request) -> None:
         """For a request holding no blocks: takes the cached blocks of its longest cached
         block-aligned prefix and counts those tokens computed. The last token is always left
-        to compute (its logits are what the step is for)."""
+        to compute (its logits are what the step is for). A request without a root
+        (`cache_root` None: its adapter's weights are not known yet) neither takes nor gives."""
         assert not request.block_ids and request.num_computed_tokens == 0
-        if not self.enable_prefix_caching or request.params.prompt_logprobs:
+        if not self.enable_prefix_caching or request.cache_root is None:
+            return
+        chain = self._chain(request)
+        chain.numbers.clear()  # found anew: entries it knew may have been evicted since
+        if request.params.prompt_logprobs:
             return  # the prompt's log-probs come from computing every position
         num_full = (request.num_tokens - 1) // self.block_size
-        for block_hash in self._block_hashes(request, num_full):
-            block = self._block_of_hash.get(block_hash)
-            if block is None:
+        token_ids = request.all_token_ids
+        chain.extend(token_ids, self.block_size, num_full)
+        parent = chain.root
+        for index in range(num_full):
+            entry = self._cached.find(chain.digests[index], parent, self._tokens(token_ids, index))
+            if entry is None:
                 break
+            block = entry.block
             if self._ref_counts[block] == 0:
                 del self._evictable[block]
             self._ref_counts[block] += 1
             request.block_ids.append(block)
+            chain.numbers.append(parent := entry.number)
         request.num_computed_tokens = len(request.block_ids) * self.block_size
 
     def cache_full_blocks(self, request: Request) -> None:
         """Registers the request's blocks whose tokens are all computed now. A block whose
-        contents another block already holds stays unregistered (it is freed as any other)."""
-        if not self.enable_prefix_caching:
+        chain another block already holds stays unregistered (it is freed as any other); so
+        do the blocks after one whose digest a different chain holds (a collision)."""
+        if not self.enable_prefix_caching or request.cache_root is None:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        if num_full == 0 or request.block_ids[num_full - 1] in self._hash_of_block:
-            return  # nothing new: blocks fill in order, so the last full one tells
-        hashes = self._block_hashes(request, num_full)
-        for block, block_hash in zip(request.block_ids[:num_full], hashes):
-            if block not in self._hash_of_block and block_hash not in self._block_of_hash:
-                self._block_of_hash[block_hash] = block
-                self._hash_of_block[block] = block_hash
+        chain = self._chain(request)
+        if len(chain.numbers) >= num_full:
+            return  # nothing new
+        token_ids = request.all_token_ids
+        chain.extend(token_ids, self.block_size, num_full)
+        parent = chain.numbers[-1] if chain.numbers else chain.root
+        for index in range(len(chain.numbers), num_full):
+            block, digest = request.block_ids[index], chain.digests[index]
+            tokens = self._tokens(token_ids, index)
+            # Its own entry (taken from the cache, or registered by it), else an equal chain's.
+            entry = self._cached.entry(block) or self._cached.find(digest, parent, tokens)
+            if entry is None:
+                if self._cached.holds_digest(digest):
+                    return  # a collision: no exact key for this chain from here on
+                entry = self._cached.add(block, digest, parent, tokens, chain.root)
+            chain.numbers.append(parent := entry.number)
 
-    def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
-        """The hash chain of the request's first `num_blocks` full blocks, extended on the
-        request as needed (a full block's tokens never change). The chain starts from the
-        request's LoRA adapter (None: the base model): the same tokens through another
-        adapter have other K/V."""
-        hashes = request.block_hashes
-        tokens = request.all_token_ids if len(hashes) < num_blocks else None
-        size = self.block_size
-        while len(hashes) < num_blocks:
-            index = len(hashes)
-            parent = hashes[-1] if hashes else request.params.adapter
-            hashes.append(hash((parent, tuple(tokens[index * size : (index + 1) * size]))))
-        return hashes[:num_blocks]
+    def forget_adapter(self, adapter: str) -> None:
+        """Drops the cached blocks computed through `adapter` (it was unregistered): free ones
+        become plain free blocks, held ones are freed uncached when their holders finish."""
+        for block in self._cached.blocks_of_adapter(adapter):
+            self._cached.remove(block)
+            if self._ref_counts[block] == 0:
+                del self._evictable[block]
+                self._state[block] = _AVAILABLE
+                self._num_uncached_free += 1
+
+    def _chain(self, request: Request) -> RequestChain:
+        """The request's chain from its current root (a new root starts a new chain)."""
+        chain = request.cache_chain
+        if chain is None or chain.root != request.cache_root:
+            chain = request.cache_chain = RequestChain(request.cache_root)
+        return chain
+
+    def _tokens(self, token_ids: list[int], index: int) -> tuple[int, ...]:
+        start = index * self.block_size
+        return tuple(token_ids[start : start + self.block_size])
 
     def _take_free_block(self, request: Request) -> int:
         """The next block of the request's run; else the start of a new run; else the lowest
@@ -140,7 +168,7 @@ class BlockManager:
         self._runs.pop(request.request_id, None)  # used up, or cut short by another request
         if self._num_uncached_free == 0:
             block, _ = self._evictable.popitem(last=False)  # the least recently used
-            del self._block_of_hash[self._hash_of_block.pop(block)]
+            self._cached.remove(block)
             return block
         length = min(self._run_length(request), self.num_blocks)
         start = self._state.find(bytes([_AVAILABLE]) * length) if length > 1 else -1
@@ -184,7 +212,7 @@ class BlockManager:
 
     def check_invariants(self, requests: list[Request]) -> None:
         """Every block is held (its count = its holders) or free, never both; only cached
-        blocks are shared; the table maps hashes and blocks one to one, and only full
+        blocks are shared; the table indexes each entry both ways, and only full
         blocks; owned + free = all; every holder's blocks cover its computed tokens."""
         holders = [0] * self.num_blocks
         for request in requests:
@@ -200,14 +228,14 @@ class BlockManager:
         held = sum(1 for count in holders if count > 0)
         assert held + len(free) == self.num_blocks, "blocks leaked"
         shared = [block for block, count in enumerate(holders) if count > 1]
-        assert all(block in self._hash_of_block for block in shared), "an uncached block shared"
-        assert all(block in self._hash_of_block for block in self._evictable)
-        assert not set(uncached_free) & set(self._hash_of_block), "a cached block lost its entry"
+        assert all(block in self._cached for block in shared), "an uncached block shared"
+        assert all(block in self._cached for block in self._evictable)
+        assert not any(block in self._cached for block in uncached_free), "a free block cached"
         assert set(self._runs) <= {request.request_id for request in requests}, "a run outlived"
         reserved = [block for block, state in enumerate(self._state) if state == _RESERVED]
         in_runs = [b for next_block, end in self._runs.values() for b in range(next_block, end)]
         assert sorted(in_runs) == reserved, "the reserved blocks are not the runs' rest"
-        assert {b: h for h, b in self._block_of_hash.items()} == self._hash_of_block
+        self._cached.check_invariants()
         for request in requests:
             capacity = len(request.block_ids) * self.block_size
             assert request.num_computed_tokens <= capacity, f"{request.request_id} overflows"

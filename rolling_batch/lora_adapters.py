@@ -11,6 +11,8 @@ per-module alphas, ranks above option.max_lora_rank.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
 import re
@@ -42,6 +44,7 @@ class LoraAdapter:
     rank: int  # the largest of its modules' ranks
     # HF module name -> (A [r, in], B [out, r] times the scaling), in the model's dtype.
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    digest: str  # of the config and weights bytes read
 
     @property
     def num_bytes(self) -> int:
@@ -77,11 +80,14 @@ def load_adapter(
     dtype: torch.dtype,
 ) -> LoraAdapter:
     """The adapter in `folder`, checked against `shapes` ({HF module name: (out, in)} of the
-    model's linears that adapters may modify) and option.max_lora_rank."""
+    model's linears that adapters may modify) and option.max_lora_rank. Its `digest` is of
+    the very bytes read: the prefix cache tells K/V computed through one set of weights from
+    another's by it, even when the files change between two reads."""
     folder = Path(folder)
-    config = _read_config(name, folder)
+    digest = hashlib.sha256()
+    config = _read_config(name, folder, digest)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for tensor_name, tensor in _read_tensors(name, folder).items():
+    for tensor_name, tensor in _read_tensors(name, folder, digest).items():
         match = _TENSOR_NAME.match(tensor_name)
         if match is None:
             raise AdapterError(
@@ -98,13 +104,15 @@ def load_adapter(
         scaling = config["lora_alpha"] / (math.sqrt(a.shape[0]) if config["rsLoRA"] else a.shape[0])
         modules[module] = (a.to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous())
         rank = max(rank, a.shape[0])
-    return LoraAdapter(name, rank, modules)
+    return LoraAdapter(name, rank, modules, digest.hexdigest()[:32])
 
 
-def _read_config(name: str, folder: Path) -> dict:
+def _read_config(name: str, folder: Path, digest: hashlib._Hash) -> dict:
     try:
-        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as error:
+        raw = (folder / CONFIG_FILE).read_bytes()
+        digest.update(raw)
+        config = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError) as error:  # JSON and UTF-8 errors are ValueErrors
         raise AdapterError(name, f"unreadable {CONFIG_FILE}: {error}") from None
     if not isinstance(config, dict):
         raise AdapterError(name, f"{CONFIG_FILE} is not a JSON object")
@@ -133,19 +141,21 @@ def _read_config(name: str, folder: Path) -> dict:
     return {"lora_alpha": float(alpha), "rsLoRA": bool(config.get("use_rslora", False))}
 
 
-def _read_tensors(name: str, folder: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(name: str, folder: Path, digest: hashlib._Hash) -> dict[str, torch.Tensor]:
     for file_name in WEIGHT_FILES:
         path = folder / file_name
         if not path.is_file():
             continue
         try:
+            data = path.read_bytes()
+            digest.update(file_name.encode() + b"\0" + data)
             if file_name.endswith(".safetensors"):
-                from safetensors.torch import load_file
+                from safetensors.torch import load
 
-                return load_file(path)
+                return load(data)
             import torch
 
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as error:  # noqa: BLE001 - any unreadable file is the adapter's fault
             raise AdapterError(name, f"unreadable {file_name}: {error}") from None
     raise AdapterError(name, f"no {' or '.join(WEIGHT_FILES)} in {folder}")

@@ -42,6 +42,9 @@ class LoraManager:
         self.dtype = dtype
         self.slots: list[str | None] = [None] * max_loras
         self.loaded: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
+        # The digest of each adapter's weights as last read: what a slot holds, or the loaded
+        # copy (an adapter is read again only when it is in neither).
+        self._digests: dict[str, str] = {}
         self._linears = list({id(lora): lora for lora, _ in self.targets.values()}.values())
 
     @property
@@ -71,6 +74,13 @@ class LoraManager:
             del self.sources[name]
             raise
 
+    def weights_digest(self, name: str) -> str | None:
+        """The digest of the weights a step would run `name` with now; None when the step
+        would read them first (they may have changed on disk)."""
+        if name in self.loaded or name in self.slots:
+            return self._digests[name]
+        return None
+
     def set_sources(self, sources: dict[str, str]) -> None:
         """The adapters known from now on (another rank registered or dropped some): those that
         left are dropped from memory and from the slots."""
@@ -78,6 +88,7 @@ class LoraManager:
         for name in [name for name in self.loaded if name not in self.sources]:
             del self.loaded[name]
         self.slots = [held if held in self.sources else None for held in self.slots]
+        self._digests = {name: d for name, d in self._digests.items() if name in self.sources}
 
     def adapter(self, name: str) -> LoraAdapter:
         adapter = self.loaded.get(name)
@@ -91,6 +102,7 @@ class LoraManager:
             dropped, _ = self.loaded.popitem(last=False)
             log.info("LoRA adapter %s unloaded (max_cpu_loras=%d)", dropped, self.max_cpu_loras)
         self.loaded[name] = adapter
+        self._digests[name] = adapter.digest
         log.info(
             "LoRA adapter %s loaded: rank %d on %d linears, %.1f MiB",
             name,

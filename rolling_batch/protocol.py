@@ -69,6 +69,9 @@ class GenerationParams(msgspec.Struct, frozen=True):
     # The LoRA adapter (option.enable_lora) that modifies the model for this request; None:
     # the base model. The engine refuses a name it does not know.
     adapter: str | None = None
+    # vLLM's `cache_salt`: the prefix cache shares blocks only between requests with the same
+    # salt (None: the unsalted ones), for tenants who must not share cached prompts.
+    cache_salt: str | None = None
 
     def batch_key(self) -> tuple:
         """Requests that may run in one HF `generate` call: everything but the length, which

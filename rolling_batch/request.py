@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .prefix_cache import CacheRoot, RequestChain
 from .protocol import GenerationParams
 
 WAITING = "waiting"
@@ -27,13 +28,21 @@ class Request:
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # of its full blocks, prefix caching
+    # Prefix caching: where its chain starts (the scheduler sets it again as the request joins
+    # the batch, with its adapter's weights; None: it neither takes nor gives cached blocks),
+    # and its chain so far (block_manager.py).
+    cache_root: CacheRoot | None = None
+    cache_chain: RequestChain | None = None
     status: str = WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
     arrival_step: int = 0  # the scheduler's steps before it was added (Scheduler.add)
     first_token_time: float | None = None
     last_token_time: float | None = None
+
+    def __post_init__(self):
+        if self.cache_root is None:
+            self.cache_root = CacheRoot(self.params.adapter, "", self.params.cache_salt)
 
     @property
     def all_token_ids(self) -> list[int]:

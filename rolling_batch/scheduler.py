@@ -20,9 +20,11 @@ compute them.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from .block_manager import BlockManager
+from .prefix_cache import CacheRoot
 from .protocol import FinishReason
 from .request import FINISHED, RUNNING, WAITING, Request
 from .speculation import NgramDrafter
@@ -73,8 +75,12 @@ class Scheduler:
         drafter: NgramDrafter | None = None,
         argmax_head: bool = False,
         shortest_first: bool = False,
+        adapter_weights: Callable[[str], str | None] | None = None,
     ):
         self.blocks = block_manager
+        # The digest of a LoRA adapter's weights as loaded now (None: not loaded); None: adapters
+        # are told apart by name alone (offline use, tests).
+        self.adapter_weights = adapter_weights
         self.shortest_first = shortest_first
         self._num_schedules = 0  # a request's arrival step: how many steps were scheduled before
         self.drafter = drafter  # speculative decoding; None: off
@@ -149,6 +155,7 @@ class Scheduler:
             if not self._adapter_fits(request):
                 passed_over.append(self.waiting.popleft())
                 continue
+            request.cache_root = self._cache_root(request)
             self.blocks.reuse_cached_prefix(request)
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0 or not self.blocks.can_hold(
@@ -214,6 +221,17 @@ class Scheduler:
             return True
         running = {r.params.adapter for r in self.running} - {None}
         return adapter in running or len(running) < self.max_loras
+
+    def _cache_root(self, request: Request) -> CacheRoot | None:
+        """Where the request's prefix-cache chain starts, read as it joins: its adapter's
+        weights are the ones this step runs with (an adapter not loaded yet is read in the
+        step, so what it will hold is unknown: no root, no cached blocks)."""
+        adapter, weights = request.params.adapter, ""
+        if adapter is not None and self.adapter_weights is not None:
+            weights = self.adapter_weights(adapter)
+            if weights is None:
+                return None
+        return CacheRoot(adapter, weights, request.params.cache_salt)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if request.is_prefilling:

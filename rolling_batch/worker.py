@@ -59,6 +59,7 @@ def main() -> None:
         drafter=NgramDrafter(config.speculative_length) if config.speculative_draft_model else None,
         argmax_head=runner.argmax_head,
         shortest_first=config.scheduling_policy == "shortest_first",
+        adapter_weights=runner.lora.weights_digest if runner.lora is not None else None,
     )
     # Before the ready state: a tokenizer that fails to load here, or a step trace that
     # cannot be written, must fail start-up.
@@ -89,7 +90,9 @@ def main() -> None:
     broadcaster = StepBroadcaster(runner, comm)
     adapters = None
     if runner.lora is not None:
-        adapters = AdapterRegistry(runner.lora, broadcaster.share_adapters)
+        adapters = AdapterRegistry(
+            runner.lora, broadcaster.share_adapters, scheduler.blocks.forget_adapter
+        )
     engine = RollingEngine(
         broadcaster.execute_step,
         scheduler,

@@ -148,6 +148,8 @@ def test_tgi_compat_turns_details_on_unless_the_request_turns_them_off():
         ({"stream": "yes"}, "parameters.stream"),
         ({"output_formatter": "xml"}, "parameters.output_formatter"),
         ({"output_formatter": "my_function"}, "parameters.output_formatter"),
+        ({"cache_salt": ""}, "parameters.cache_salt"),
+        ({"cache_salt": 7}, "parameters.cache_salt"),
     ],
 )
 def test_bad_tgi_and_djl_parameters_name_their_field(parameters, field):
@@ -190,6 +192,22 @@ def test_openai_model_names_an_adapter_only_with_lora_on():
     assert parse_chat({**chat, "model": "base"}, served_model="base").params.adapter is None
     completion = {"model": "sql", "prompt": "Hi"}
     assert parse_completion(completion, served_model="base").sampling.params.adapter == "sql"
+
+
+def test_cache_salt_is_read_on_every_route():
+    from lmserve.handlers.chat import parse_chat
+    from lmserve.handlers.openai_completions import parse_completion
+
+    djl = {"inputs": "Hi", "parameters": {"cache_salt": "tenant-a"}}
+    assert parse_payload(djl).params.cache_salt == "tenant-a"
+    assert parse_payload({"inputs": "Hi"}).params.cache_salt is None
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "cache_salt": "tenant-b"}
+    assert parse_chat(chat).params.cache_salt == "tenant-b"
+    completion = {"prompt": "Hi", "cache_salt": "tenant-c"}
+    assert parse_completion(completion).sampling.params.cache_salt == "tenant-c"
+    with pytest.raises(BadRequest) as refused:
+        parse_chat({**chat, "cache_salt": ""})
+    assert refused.value.field == "cache_salt"
 
 
 def test_only_openai_requests_that_ask_for_logprobs_get_them_computed():

@@ -252,3 +252,48 @@ def test_a_relative_src_is_read_from_the_model_dir(server, model_dir):
     assert requests.delete(f"{adapters_url}/near", timeout=30).status_code == 200
     missing = requests.post(adapters_url, json={"name": "far", "src": "nowhere"}, timeout=60)
     assert missing.status_code == 400 and "src='nowhere'" in missing.json()["message"]
+
+
+# Long enough for full KV blocks (16 tokens each), which the prefix cache shares.
+LONG_PROMPT = "The history of the old harbour town, told by the people who lived there: " * 4
+# Strong enough that two random draws of it answer LONG_PROMPT differently.
+SWAPPED = (["q_proj", "k_proj", "v_proj", "down_proj"], 8, 64, False)
+
+
+def prefix_hits(server) -> int:
+    stats = requests.get(f"{server.url}/models/{served_name(server)}", timeout=30).json()
+    return stats["engine"]["stats"]["prefix_cache_hit_tokens"]
+
+
+def test_an_adapter_registered_again_with_other_weights_gets_no_stale_cache(
+    server, model_dir, tmp_path
+):
+    """DELETE, then POST the same name with other weights: a prompt the old weights left in
+    the prefix cache is computed again, and the answer is the new adapter's (HF + PEFT)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer(LONG_PROMPT)["input_ids"]
+    assert len(ids) > 3 * 16
+    folders = {
+        seed: save_adapter(model_dir, "swap", *SWAPPED, seed=seed, folder=tmp_path / str(seed))
+        for seed in (21, 22)
+    }
+    expected = {
+        seed: hf_greedy_alone(peft_model(model_dir, "swap", folder=folder), ids, MAX_NEW_TOKENS)
+        for seed, folder in folders.items()
+    }
+    assert expected[21][0] != expected[22][0]  # the two adapters say different things
+    adapters_url = f"{server.url}/models/{served_name(server)}/adapters"
+    for seed, folder in folders.items():
+        registered = requests.post(
+            adapters_url, json={"name": "swap", "src": str(folder)}, timeout=60
+        )
+        assert registered.status_code == 200, registered.text
+        hits_before = prefix_hits(server)
+        for attempt in range(2):  # the second time, its own blocks are cached
+            response = generate(server, LONG_PROMPT, "swap")
+            assert response.status_code == 200, response.text
+            assert_same_or_near_tie(token_ids(response.json()), *expected[seed])
+            if attempt == 0:
+                assert prefix_hits(server) == hits_before, "K/V of other weights reused"
+        assert prefix_hits(server) > hits_before
+        assert requests.delete(f"{adapters_url}/swap", timeout=30).status_code == 200

@@ -199,6 +199,28 @@ def test_slots_are_reused_without_leftovers(lora_model_dir):
     assert list(runner.lora.loaded) == ["attn"]  # max_cpu_loras=1: the last one asked for
 
 
+def test_the_weights_digest_follows_the_files_read(lora_model_dir, tmp_path):
+    """What the prefix cache roots an adapter's blocks at: a digest of the weights as read,
+    none while the next step would read them first, another one once the files changed."""
+    from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
+
+    model_dir = shutil.copytree(lora_model_dir, tmp_path / "model")
+    options = RuntimeOptions(
+        dtype="fp32", max_model_len=128, enable_lora=True, max_loras=1, max_cpu_loras=1
+    )
+    lora = build_runner(model_dir, options, TensorParallelGroup())[0].lora
+    first, second = list(TINY_ADAPTERS)[:2]
+    lora.adapter(first)
+    digest = lora.weights_digest(first)
+    assert digest is not None and digest != lora.adapter(second).digest
+    assert lora.weights_digest(first) is None  # max_cpu_loras=1: unloaded, read again if used
+    assert lora.adapter(first).digest == digest  # the same files: the same digest
+    lora.adapter(second)
+    save_adapter(model_dir, first, *TINY_ADAPTERS[first], seed=99)  # new weights, same name
+    assert lora.adapter(first).digest not in (digest, None)
+    assert lora.weights_digest(first) == lora.adapter(first).digest
+
+
 def _only_model_files(directory, names):
     return [name for name in names if name == "adapters"]
 

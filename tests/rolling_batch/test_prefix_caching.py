@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from lmserve.rolling_batch import prefix_cache
 from lmserve.rolling_batch.block_manager import BlockManager
 from lmserve.rolling_batch.protocol import GenerationParams
 from lmserve.rolling_batch.request import Request
@@ -214,3 +215,90 @@ def test_blocks_are_shared_only_through_the_same_adapter():
         (chunk,) = sched.schedule().chunks
         assert chunk.num_computed == reused * BLOCK, adapter
         sched.abort(request_id)
+
+
+def test_a_digest_collision_shares_no_block(monkeypatch):
+    """Every chain gets the same digest: a hit still needs the same tokens under the same
+    parent, so a different prompt computes all its blocks itself; the same prompt still hits."""
+    monkeypatch.setattr(prefix_cache, "chain_digest", lambda parent, tokens: 0)
+    sched = scheduler(64, caching=True)
+    victim = list(range(10, 10 + 3 * BLOCK + 1))
+    run_with_cache(sched, [Request("victim", victim, GenerationParams(max_new_tokens=1), 0.0)])
+    assert sched.blocks.num_cached == 1  # its first block; the next ones collide with it
+    attacker = list(range(500, 500 + 3 * BLOCK + 1))
+    sched.add(Request("attacker", attacker, GenerationParams(max_new_tokens=1), 1.0))
+    (chunk,) = sched.schedule().chunks
+    assert chunk.num_computed == 0 and chunk.token_ids == tuple(attacker)
+    assert not set(chunk.block_ids) & set(first_blocks(sched, victim))
+    sched.abort("attacker")
+    sched.add(Request("again", victim, GenerationParams(max_new_tokens=1), 2.0))
+    (chunk,) = sched.schedule().chunks
+    assert chunk.num_computed == BLOCK
+    sched.check_invariants()
+
+
+def test_a_collision_in_the_parent_chain_is_no_hit(monkeypatch):
+    """A digest of a block's own tokens alone (its parent left out): two chains that differ in
+    their first block and agree in the second get one digest there; the second chain takes its
+    own first block from the cache, but not the first chain's second one (its K/V follow other
+    tokens)."""
+    monkeypatch.setattr(prefix_cache, "chain_digest", lambda parent, tokens: hash(tokens))
+    blocks = BlockManager(8, BLOCK, enable_prefix_caching=True)
+    tail = [7] * BLOCK
+    for request_id, head in (("a", [1] * BLOCK), ("b", [2] * BLOCK)):
+        request = Request(request_id, head + tail + [0], GenerationParams(), 0.0)
+        blocks.grow(request, request.num_tokens)
+        request.num_computed_tokens = request.num_tokens
+        blocks.cache_full_blocks(request)
+        blocks.free(request)
+    probe = Request("c", [2] * BLOCK + tail + [0], GenerationParams(), 0.0)
+    blocks.reuse_cached_prefix(probe)
+    assert probe.num_computed_tokens == BLOCK  # "b"'s first block, and no more
+    blocks.check_invariants([probe])
+
+
+def test_cache_salt_keeps_tenants_apart():
+    prompt = list(range(10, 10 + 4 * BLOCK + 2))
+    sched = scheduler(64, caching=True)
+    salted = GenerationParams(max_new_tokens=1, cache_salt="tenant-a")
+    run_with_cache(sched, [Request("a", prompt, salted, 0.0)])
+    cases = (("unsalted", None, 0), ("other", "tenant-b", 0), ("same", "tenant-a", 4))
+    for request_id, salt, reused in cases:
+        params = GenerationParams(max_new_tokens=1, cache_salt=salt)
+        sched.add(Request(request_id, prompt, params, 1.0))
+        (chunk,) = sched.schedule().chunks
+        assert chunk.num_computed == reused * BLOCK, salt
+        sched.abort(request_id)
+
+
+def test_an_adapters_blocks_follow_its_weights_and_leave_with_it():
+    """Blocks computed through one set of an adapter's weights are not reused through
+    another set under the same name; an adapter whose weights are not loaded neither takes
+    nor gives blocks; forgetting an adapter drops its cached blocks only."""
+    prompt = list(range(10, 10 + 4 * BLOCK + 2))
+    digests: dict[str, str | None] = {"sql": "weights-1"}
+    sched = Scheduler(BlockManager(64, BLOCK, True), 4, 16, 96, adapter_weights=digests.get)
+
+    def computed_from_cache(request_id: str, adapter: str | None) -> int:
+        params = GenerationParams(max_new_tokens=1, adapter=adapter)
+        sched.add(Request(request_id, prompt, params, 1.0))
+        (chunk,) = sched.schedule().chunks
+        sched.abort(request_id)
+        return chunk.num_computed // BLOCK
+
+    run_with_cache(sched, [Request("a", prompt, GenerationParams(1, adapter="sql"), 0.0)])
+    run_with_cache(sched, [Request("base", prompt, GenerationParams(max_new_tokens=1), 0.0)])
+    assert computed_from_cache("same", "sql") == 4
+    digests["sql"] = "weights-2"  # registered again with other weights, or read again changed
+    assert computed_from_cache("changed", "sql") == 0
+    digests["sql"] = None  # to be read in the step: what it will hold is unknown
+    assert computed_from_cache("unknown", "sql") == 0
+    before = sched.blocks.num_cached
+    run_with_cache(sched, [Request("c", prompt, GenerationParams(1, adapter="sql"), 2.0)])
+    assert sched.blocks.num_cached == before  # gave nothing either
+    digests["sql"] = "weights-1"
+    sched.blocks.forget_adapter("sql")
+    assert computed_from_cache("after", "sql") == 0
+    assert computed_from_cache("base-after", None) == 4  # the base model's blocks stay
+    assert sched.blocks.num_free == 64
+    sched.check_invariants()
