@@ -9,7 +9,9 @@
                                                once; requests already running finish with it
 
 The engine owns the list (every web worker sees the same); the front end only fetches an S3
-source, since web workers do I/O and no model work.
+source, since web workers do I/O and no model work. When the ranks span hosts (container/
+cluster.py) registration is refused: the adapters served there are those of the model dir's
+adapters/ folder, which the start-up probe (container/host_probe.py) compares on every host.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def add_adapter_routes(app: Flask, runtime: Runtime, client: EngineClient) -> No
             return error_response(
                 400, "LoRA adapters are off for this model (option.enable_lora=false)"
             )
+        if len(runtime.hosts or ()) > 1:
+            return _refuse_across_hosts(runtime.hosts)
         fields = _fields()
         if isinstance(fields, Response):
             return fields
@@ -78,6 +82,19 @@ def add_adapter_routes(app: Flask, runtime: Runtime, client: EngineClient) -> No
         if isinstance(answer, Response):
             return answer
         return jsonify({"status": f"Adapter {name} unregistered", "adapter": answer[0]})
+
+
+def _refuse_across_hosts(hosts: list[list]) -> Response:
+    # The leader alone would fetch the adapter; a rank on another host would fail to read it
+    # in the first step that uses it, and that aborts every rank (the job is one MPI world).
+    names = ", ".join(str(host) for host, _ in hosts)
+    return error_response(
+        400,
+        f"adapters cannot be registered while serving: this model's ranks span {len(hosts)}"
+        f" hosts ({names}) and only this one would have the adapter's files. Put the adapter"
+        " in the model dir's adapters/ folder on every host and restart: start-up checks"
+        " that every host has the same adapters",
+    )
 
 
 def _fields() -> tuple[str, str] | Response:

@@ -109,6 +109,7 @@ def serve(args: argparse.Namespace) -> int:
     # Loaded here first, so that a broken model.py or formatter name stops start-up clearly.
     user_dir = str(served) if served is not None else None
     load_formatters(formatters, user_dir, config.output_formatter)
+    adapters = _adapters_dir(config, served, model.path)
     runtime = Runtime(
         config,
         model.name,
@@ -118,20 +119,21 @@ def serve(args: argparse.Namespace) -> int:
         entry_point=entry.location if is_handler else None,
         formatters=formatters,
         user_dir=user_dir,
-        adapters_dir=_adapters_dir(config, served, model.path),
-        hosts=_hosts(config, model.path),
+        adapters_dir=adapters,
+        hosts=_hosts(config, model.path, adapters),
     )
     return Supervisor(runtime, args.host, port).run()
 
 
-def _hosts(config: ServingConfig, model_path: Path) -> list[list] | None:
-    """engine=MPI over several hosts (container/cluster.py): the hosts, each checked first."""
+def _hosts(config: ServingConfig, model_path: Path, adapters: str | None) -> list[list] | None:
+    """engine=MPI over several hosts (container/cluster.py): the hosts, each checked first
+    (the model's files and the start-up adapters' among what must be the same)."""
     if config.engine != "MPI":
         return None
     cluster = resolve_cluster(os.environ, config.tensor_parallel_degree)
     if cluster is None:
         return None
-    check_hosts(cluster, model_path)
+    check_hosts(cluster, model_path, adapters_dir=None if adapters is None else Path(adapters))
     layout = ", ".join(f"{host} ({ranks} ranks)" for host, ranks in cluster.hosts)
     log.info("engine=MPI over %d hosts from %s: %s", len(cluster.hosts), cluster.source, layout)
     return [[host, ranks] for host, ranks in cluster.hosts]
