@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
-
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.adapter_registry import ServedAdapters
+from lmserve.rolling_batch.out_of_memory import failure_status
 
 from .dynamic_batcher import PendingRequest, Send
 from .hf_engine import HFEngine
@@ -51,6 +50,10 @@ class HFGenerateWork:
                 self._fail(batch[0], error, send)
                 return 0
             log.warning("batch of %d failed (%s); retrying one by one", len(batch), error)
+            results = None
+        if results is None:
+            # Out of the except block: the failed batch's tensors, held by the traceback's
+            # frames, are freed before the retries (after out of memory they need the room).
             return sum(self.run([request], send) for request in batch)
         for request, result in zip(batch, results):
             final = protocol.FinalEvent(
@@ -69,12 +72,12 @@ class HFGenerateWork:
 
     def _fail(self, request: PendingRequest, error: Exception, send: Send) -> None:
         self.num_failed += 1
-        out_of_memory = isinstance(error, (torch.OutOfMemoryError, MemoryError))
         log.error("request %s failed: %r", request.request_id, error)
-        status = 507 if out_of_memory else 424
         send(
             request.reply_to,
-            protocol.ErrorEvent(request.request_id, status, f"{type(error).__name__}: {error}"),
+            protocol.ErrorEvent(
+                request.request_id, failure_status(error), f"{type(error).__name__}: {error}"
+            ),
         )
 
 

@@ -11,7 +11,9 @@
 
 A request that cannot be sampled fails alone. A failed model step fails the requests in it and
 the loop goes on, except with several ranks: then the ranks may be out of step, so the error
-propagates and the job ends (the supervisor answers everyone and restarts or exits).
+propagates and the job ends (the supervisor answers everyone and restarts or exits). A step that
+ran out of memory fails only the request with its largest chunk, with 507 (out_of_memory.py);
+the others run again next step.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import torch
 import zmq
 
 from . import protocol
@@ -28,6 +29,7 @@ from .adapter_registry import AdapterRegistry, lora_off_answer
 from .engine_stats import EngineStats, PhaseTimer, StepTrace
 from .ipc import drain_router
 from .model_runner import StepLogits
+from .out_of_memory import failure_status, is_out_of_memory, largest_chunk
 from .request import Request
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
@@ -121,17 +123,14 @@ class RollingEngine:
         except Exception as error:
             if self.world_size > 1:
                 raise  # the other ranks may be inside a collective: end the job
-            log.exception("model step failed; failing its %d requests", len(out.requests))
-            # Out of memory is 507, as engine=Python answers it: the request may fit later.
-            status = 507 if isinstance(error, (torch.OutOfMemoryError, MemoryError)) else 424
-            self._fail(out.requests, status, f"model step failed: {error!r}")
+            self._step_failed(out, error)
             return
         timer.mark("forward")
         self.scheduler.record_prompt_scores(out, step_logits.prompt_scores)
         sampled, failed = self._sample(step_logits, out)
         timer.mark("sample")
         for request, error in failed:
-            self._fail([request], 424, f"sampling failed: {error}")
+            self._fail([request], failure_status(error), f"sampling failed: {error}")
         before = len(self.scheduler.running)
         produced = self.scheduler.update(out, sampled, self.eos_token_ids)
         self._count_step(out, before, produced)
@@ -143,6 +142,31 @@ class RollingEngine:
         if self.step_trace is not None:
             self.step_trace.record(out.chunks, timer)
         self._profile(timer, len(out.requests))
+
+    def _step_failed(self, out: SchedulerOutput, error: Exception) -> None:
+        """A model step raised (one rank: no collective is left waiting). Out of memory fails
+        the request with the step's largest chunk alone, 507 as engine=Python answers it (it
+        may fit later); the others stay as they were, their tokens not computed, and run
+        again next step, so each such step sheds one request until the rest fit. Any other
+        error fails every request of the step."""
+        if not is_out_of_memory(error):
+            log.exception("model step failed; failing its %d requests", len(out.requests))
+            self._fail(out.requests, 424, f"model step failed: {error!r}")
+            return
+        request, num_tokens = largest_chunk(out.requests, out.chunks, self.scheduler.running)
+        total = sum(len(chunk.token_ids) for chunk in out.chunks)
+        log.exception(
+            "out of memory in a step of %d requests (%d tokens); failing %s (%d tokens)",
+            len(out.requests),
+            total,
+            request.request_id,
+            num_tokens,
+        )
+        message = (
+            f"out of memory computing this request's {num_tokens} tokens in a step of {total}"
+            f" tokens: {error}"
+        )
+        self._fail([request], 507, message)
 
     def _sample(self, step_logits: StepLogits, out: SchedulerOutput):
         """({request: Sample, or [Sample] where it speculated}, [(request, error)])."""

@@ -26,8 +26,9 @@ from .step import Sample
 # whole vocabulary only for rows whose nucleus is wider: a full sort of 32 x 49k logits took
 # 120-180 ms on the 2-core CPU, topk(256) 4 ms.
 _NUCLEUS_CANDIDATES = (256, 4096)
-# What a row's data can make torch raise (say a token id beyond the logits' vocabulary).
-_ROW_ERRORS = (RuntimeError, IndexError, ValueError)
+# What a row's data can make torch raise (say a token id beyond the logits' vocabulary), and out
+# of memory (torch's is a RuntimeError): the rows alone need a fraction of the batch's memory.
+_ROW_ERRORS = (RuntimeError, IndexError, ValueError, MemoryError)
 
 
 class _RowState:
@@ -84,7 +85,11 @@ class Sampler:
         try:
             results = self._sample_batch(logits, requests)
         except _ROW_ERRORS:
+            results = None
+        if results is None:
             # An op failed for the whole batch: find the row(s) to blame by sampling each alone.
+            # Out of the except block, so the batch's tensors (held by the traceback's frames)
+            # are freed first.
             results = []
             for row, request in enumerate(requests):
                 try:

@@ -1,15 +1,23 @@
 """Starts a real `lmserve serve` (supervisor, engine process, gunicorn) on a free loopback port,
-and finds the processes it started, for tests that check nothing is left behind."""
+and finds the processes it started, for tests that check nothing is left behind.
+
+Tests here never rest on the machine's speed: they wait for what they can observe (with a
+deadline that only guards against a hang), size a generation from the step time they measure,
+and make a process as slow as they need by stopping it (`stopped`)."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import requests
 
@@ -64,6 +72,44 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of `pid` ("" when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+T = TypeVar("T")
+
+
+def wait_until(condition: Callable[[], T], what: str, timeout: float = 60.0) -> T:
+    """Polls `condition` until it returns something true, and returns that. `timeout` only
+    guards against a hang: nothing a test asserts rests on how soon the condition holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = condition()
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.02)
+
+
+@contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """`pid` stopped (SIGSTOP) for the block, the way a stalled host would leave it: from the
+    first line of the block it runs no instruction (the kernel says so); it goes on after."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: process_state(pid) in ("T", "t", "Z", ""), f"process {pid} stopped")
+        yield
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 class Server:
     def __init__(self, model_dir: Path, env: dict[str, str] | None = None, log_path: Path = None):
         self.port = free_port()
@@ -98,8 +144,8 @@ class Server:
             try:
                 if requests.get(f"{self.url}/ping", timeout=2).status_code == 200:
                     return
-            except requests.ConnectionError:
-                pass
+            except (requests.ConnectionError, requests.Timeout):
+                pass  # not listening yet, or its web workers still booting on a busy machine
             time.sleep(0.3)
         raise AssertionError(f"server not healthy after {timeout} s:\n{self.log()}")
 
@@ -108,6 +154,50 @@ class Server:
             if "lmserve.handlers.worker" in command_line(pid):
                 return pid
         raise AssertionError("no engine process found")
+
+    def rank_pid(self, rank: int) -> int:
+        """The process of MPI rank `rank` of the rolling engine."""
+        for pid in descendants(self.process.pid):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            ranked = f"PMI_RANK={rank}".encode() in environ
+            if b"lmserve.rolling_batch.worker" in cmdline and ranked:
+                return pid
+        raise AssertionError(f"rank {rank} not found")
+
+    @contextmanager
+    def supervisor_stopped(self) -> Iterator[None]:
+        """The supervisor (`lmserve serve` itself) stopped for the block, once it has started the
+        HTTP server, which goes on answering: what the supervisor would do next waits (mark a
+        slow load failed; end the server FAILED_GRACE_S after a failure, or restart the
+        engine). A test that must see a state the server keeps only for a grace period looks
+        at it in here, however slowly the front end started or answers."""
+        wait_until(
+            lambda: (
+                self.process.poll() is not None
+                or any("gunicorn" in command_line(pid) for pid in descendants(self.process.pid))
+            ),
+            "the supervisor started the HTTP server",
+        )
+        assert self.process.poll() is None, f"server exited early:\n{self.log()}"
+        with stopped(self.process.pid):
+            yield
+
+    def ping_status(self) -> int | None:
+        """/ping's status code; None while nothing answers."""
+        try:
+            return requests.get(f"{self.url}/ping", timeout=10).status_code
+        except (requests.ConnectionError, requests.Timeout):
+            return None
+
+    def engine_stats(self) -> dict | None:
+        """The engine's stats from /models/<name> (None while the engine is not serving)."""
+        name = requests.get(f"{self.url}/models", timeout=30).json()["models"][0]["modelName"]
+        model = requests.get(f"{self.url}/models/{name}", timeout=30).json()
+        return model["engine"]["stats"]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
@@ -123,3 +213,25 @@ class Server:
         leftovers = [pid for pid in started if alive(pid)]
         assert not leftovers, f"processes left behind: {[command_line(p) for p in leftovers]}"
         return code
+
+
+def decode_step_seconds(server: Server, probe_tokens: int = 200) -> float:
+    """This machine's time per decode step for one request, measured now: the time between the
+    first and the last line of a short streamed generation, over the steps between them."""
+    body = {
+        "inputs": "Once upon a time",
+        "parameters": {"max_new_tokens": probe_tokens, "ignore_eos_token": True},
+        "stream": True,
+    }
+    with requests.post(f"{server.url}/invocations", json=body, stream=True, timeout=300) as r:
+        assert r.status_code == 200, r.text
+        times = [time.monotonic() for line in r.iter_lines() if line]
+    assert len(times) >= probe_tokens, f"{len(times)} lines for {probe_tokens} tokens"
+    return (times[-1] - times[0]) / (len(times) - 1)
+
+
+def tokens_lasting(server: Server, seconds: float, limit: int) -> int:
+    """How many new tokens one greedy request should ask for to take at least `seconds` here,
+    at the step time just measured (a step never gets cheaper as its context grows), at most
+    `limit` (what option.max_model_len leaves for them)."""
+    return min(limit, math.ceil(seconds / decode_step_seconds(server)))

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import msgspec
 import pytest
+import torch
 import zmq
 
 from lmserve.handlers.custom_service import UserHandlerService
@@ -88,6 +89,51 @@ def test_malformed_requests_are_answered_with_errors_and_the_engine_goes_on(tmp_
     assert "max_new_tokens" in events[0].message  # says what was wrong
     (final,) = [e for e in events if e.id == "ok"]
     assert final.token_ids == [8, 8] and final.finish_reason == protocol.FinishReason.LENGTH
+
+
+class MemoryBoundModel(ScriptedModel):
+    """Runs out of memory, for real, on a batch needing more than `budget` new tokens in all
+    (HF generate keeps batch x max_new_tokens x vocab scores)."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.batch_sizes: list[int] = []
+
+    def generate(self, prompts, params) -> list[Generation]:
+        self.batch_sizes.append(len(prompts))
+        if sum(p.max_new_tokens for p in params) > self.budget:
+            torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: the CPU allocator's own error
+        return super().generate(prompts, params)
+
+
+def test_out_of_memory_fails_the_request_that_cannot_fit_and_the_engine_goes_on(tmp_path):
+    """A batch that runs out of memory is retried request by request: the one too big alone
+    gets 507, its neighbours their answers, and the engine serves the next batch."""
+    model = MemoryBoundModel(budget=10)
+    env = {"SERVING_BATCH_SIZE": "4", "SERVING_MAX_BATCH_DELAY": "10000"}
+    with engine(tmp_path, HFGenerateWork(model), **env) as (loop, dealer):
+        sizes = {"a": 2, "big": 50, "b": 3}
+        frames = [
+            protocol.encode(
+                protocol.GenerateRequest(name, [5], protocol.GenerationParams(max_new_tokens=n))
+            )
+            for name, n in sizes.items()
+        ]
+        events = exchange(loop, dealer, frames, expected_events=3)
+        later = protocol.GenerateRequest("later", [7], protocol.GenerationParams(max_new_tokens=4))
+        events += exchange(loop, dealer, [protocol.encode(later)], expected_events=1)
+    answers = {e.id: (type(e).__name__, getattr(e, "status", None)) for e in events}
+    assert answers == {
+        "a": ("FinalEvent", None),
+        "big": ("ErrorEvent", 507),
+        "b": ("FinalEvent", None),
+        "later": ("FinalEvent", None),
+    }
+    (failed,) = [e for e in events if e.id == "big"]
+    assert "can't allocate memory" in failed.message
+    assert [len(e.token_ids) for e in events if e.id in ("a", "b", "later")] == [2, 3, 4]
+    assert model.batch_sizes == [3, 1, 1, 1, 1]
+    assert loop.work.num_failed == 1
 
 
 class ForeignRequest(msgspec.Struct, frozen=True):

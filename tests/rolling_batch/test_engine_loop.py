@@ -350,6 +350,137 @@ def test_out_of_memory_in_a_step_is_507_and_the_engine_goes_on(sockets):
     assert engine.scheduler.blocks.num_free == 64
 
 
+def run_out_of_memory() -> None:
+    """A real allocation no machine grants (1 PiB): the CPU allocator's own error, a plain
+    RuntimeError."""
+    torch.empty(2**50, dtype=torch.uint8)
+
+
+def tokens_and_endings(events) -> tuple[dict, dict]:
+    """({request id: its tokens}, {request id: its finish reason, or its error's status})."""
+    tokens: dict[str, list[int]] = {}
+    endings: dict[str, object] = {}
+    for event in events:
+        if isinstance(event, protocol.ErrorEvent):
+            endings[event.id] = event.status
+            continue
+        tokens.setdefault(event.id, []).extend(event.token_ids)
+        if isinstance(event, protocol.FinalEvent):
+            endings[event.id] = event.finish_reason
+    return tokens, endings
+
+
+def test_out_of_memory_fails_the_largest_chunk_alone_and_the_others_go_on(sockets):
+    """A deliberately small activation budget: a step of more than 40 tokens runs out of
+    memory. A long prompt joining two decodes fails alone with 507; the decodes go on as if
+    nothing happened, and a later request is served."""
+    router, connect = sockets
+
+    def execute(chunks):
+        if sum(len(chunk.token_ids) for chunk in chunks) > 40:
+            run_out_of_memory()
+        return fake_execute(chunks)
+
+    scheduler = Scheduler(BlockManager(64, 16), 8, 256, 512)
+    engine = RollingEngine(execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100)
+    dealer = connect()
+    submit(dealer, "a", [5, 6], 4)
+    submit(dealer, "b", [10], 3)
+    wait_for_messages(router)
+    drain_router(engine.socket, engine._handle)
+    engine.step()  # a and b prefill: 3 tokens
+    submit(dealer, "long", list(range(1, 51)), 2)
+    wait_for_messages(router)
+    run_until_idle(engine)  # long's 50 tokens beside two decodes: out of memory
+    submit(dealer, "after", [7], 2)
+    wait_for_messages(router)
+    run_until_idle(engine)
+    events = receive_all(dealer)
+    tokens, endings = tokens_and_endings(events)
+    assert endings == {"a": "length", "b": "length", "long": 507, "after": "length"}
+    assert tokens == {"a": [7, 8, 9, 10], "b": [11, 12, 13], "after": [8, 9]}
+    (failed,) = [e for e in events if e.id == "long"]
+    assert "out of memory" in failed.message and "50 tokens" in failed.message
+    assert engine.stats.finished["error"] == 1
+    engine.scheduler.check_invariants()
+    assert engine.scheduler.blocks.num_free == 64
+
+
+def test_out_of_memory_among_equal_chunks_fails_the_newest(sockets):
+    router, connect = sockets
+
+    def execute(chunks):
+        if len(chunks) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return fake_execute(chunks)
+
+    scheduler = Scheduler(BlockManager(64, 16), 8, 256, 512)
+    engine = RollingEngine(execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100)
+    dealer = connect()
+    for name, token in (("first", 1), ("second", 2), ("third", 3)):
+        submit(dealer, name, [token], 2)
+    wait_for_messages(router)
+    run_until_idle(engine)
+    tokens, endings = tokens_and_endings(receive_all(dealer))
+    assert endings == {"first": "length", "second": "length", "third": 507}
+    assert tokens == {"first": [2, 3], "second": [3, 4]}
+    engine.scheduler.check_invariants()
+
+
+def test_out_of_memory_with_several_ranks_ends_the_job(sockets):
+    """The other ranks may be inside a collective of the failed step: no rank can go on."""
+    router, connect = sockets
+
+    def execute(chunks):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    scheduler = Scheduler(BlockManager(64, 16), 8, 256, 512)
+    engine = RollingEngine(
+        execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100, world_size=2
+    )
+    dealer = connect()
+    submit(dealer, "a", [1], 2)
+    wait_for_messages(router)
+    drain_router(engine.socket, engine._handle)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.step()
+
+
+def python_out_of_memory() -> None:
+    raise MemoryError()
+
+
+@pytest.mark.parametrize(
+    "run_out", [run_out_of_memory, python_out_of_memory], ids=["torch", "python"]
+)
+def test_out_of_memory_while_sampling_fails_that_request_with_507(sockets, run_out):
+    """The sampler's batch runs out of memory with the request whose row needs the most (here:
+    any batch holding "big"); every row is then sampled alone, and only "big" fails."""
+    router, connect = sockets
+    engine = make_engine(router)
+    sample_batch = engine.sampler._sample_batch
+
+    def sample_rows(logits, requests):
+        if any(request.request_id == "big" for request in requests):
+            run_out()
+        return sample_batch(logits, requests)
+
+    engine.sampler._sample_batch = sample_rows
+    dealer = connect()
+    submit(dealer, "a", [5], 3)
+    submit(dealer, "big", [6], 3, top_logprobs=20)
+    submit(dealer, "b", [7], 3)
+    wait_for_messages(router)
+    run_until_idle(engine)
+    events = receive_all(dealer)
+    tokens, endings = tokens_and_endings(events)
+    assert endings == {"a": "length", "big": 507, "b": "length"}
+    assert tokens == {"a": [6, 7, 8], "b": [8, 9, 10]}
+    (failed,) = [e for e in events if e.id == "big"]
+    assert failed.message.startswith("sampling failed")
+    engine.scheduler.check_invariants()
+
+
 def test_log_probs_asked_for_come_with_the_tokens_and_the_first_event(sockets):
     """Top log-probs with every token, the prompt's (scored over two prefill chunks: the
     budget is 256 tokens) with the first event, streamed or not; nothing for others."""
