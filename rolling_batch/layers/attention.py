@@ -11,7 +11,7 @@ from lmserve.kernels import paged_attention, store_kv
 from lmserve.kernels.paged_attention import ReferencePlan
 
 from .linear import QKVLinear, RowLinear
-from .norm_and_rotary import StepRope
+from .norm_and_rotary import RMSNorm, StepRope
 from .parallel import HeadShard, TensorParallelGroup
 
 
@@ -40,6 +40,7 @@ class Attention(nn.Module):
         group: TensorParallelGroup,
         qkv_bias: bool,
         o_bias: bool,
+        qk_norm_eps: float | None = None,
     ):
         super().__init__()
         self.heads = heads
@@ -49,6 +50,12 @@ class Attention(nn.Module):
         self.o_proj = RowLinear(
             heads.q_start * head_dim, heads.num_q * head_dim, hidden_size, group, o_bias
         )
+        # Qwen3's and others': each query and key head RMS-normed over head_dim before the
+        # rotation, one weight for all heads (so every rank holds it whole).
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
 
     def forward(
         self,
@@ -62,7 +69,10 @@ class Attention(nn.Module):
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         qkv = self.qkv_proj(hidden)
         # Query and key heads sit side by side in qkv: one rotation serves both.
-        query_key = qkv[:, : q_size + kv_size].view(num_tokens, num_q + num_kv, self.head_dim)
+        if self.q_norm is None:
+            query_key = qkv[:, : q_size + kv_size].view(num_tokens, num_q + num_kv, self.head_dim)
+        else:
+            query_key = self._normed_query_key(qkv)
         query, key = rope.rotate(query_key).split([num_q, num_kv], dim=1)
         value = qkv[:, q_size + kv_size :].view(num_tokens, num_kv, self.head_dim)
         k_cache, v_cache = kv_cache
@@ -80,3 +90,13 @@ class Attention(nn.Module):
             meta.reference_plan,
         )
         return self.o_proj(out.reshape(num_tokens, q_size))
+
+    def _normed_query_key(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[T, num_q + num_kv, head_dim]: the query heads through q_norm, the key heads
+        through k_norm, side by side again for the one rotation."""
+        num_tokens, d = qkv.shape[0], self.head_dim
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        # contiguous(): a slice of one head a token reshapes to a strided view, not a copy.
+        query = self.q_norm(qkv[:, :q_size].reshape(-1, d).contiguous()).view(num_tokens, -1, d)
+        key = self.k_norm(qkv[:, q_size : q_size + kv_size].reshape(-1, d).contiguous())
+        return torch.cat((query, key.view(num_tokens, -1, d)), dim=1)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from .llama import LlamaForCausalLM
+from .qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 

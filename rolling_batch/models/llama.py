@@ -67,12 +67,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, head_dim, group, qkv_bias: bool, o_bias: bool):
+    def __init__(self, config, head_dim, group, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
         heads = shard_heads(
             config.num_attention_heads, config.num_key_value_heads, group.world_size, group.rank
         )
-        self.self_attn = Attention(config.hidden_size, head_dim, heads, group, qkv_bias, o_bias)
+        self.self_attn = Attention(
+            config.hidden_size,
+            head_dim,
+            heads,
+            group,
+            qkv_bias,
+            o_bias,
+            qk_norm_eps=config.rms_norm_eps if qk_norm else None,
+        )
         self.mlp = LlamaMLP(config, group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -90,7 +98,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, group, max_positions: int):
+    def __init__(self, config, group, max_positions: int, qk_norm: bool = False):
         super().__init__()
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -102,7 +110,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim, group, qkv_bias, o_bias)
+            LlamaDecoderLayer(config, head_dim, group, qkv_bias, o_bias, qk_norm)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -152,6 +160,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Families that differ from Llama by a switch set it in a subclass (models/qwen3.py).
+    qk_norm = False  # each query and key head RMS-normed before the rotation
+
     def __init__(self, config, group: TensorParallelGroup, max_positions: int):
         super().__init__()
         sliding_window = getattr(config, "sliding_window", None)
@@ -162,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
                     f" option.max_model_len <= {sliding_window}"
                 )
         self.config = config
-        self.model = LlamaModel(config, group, max_positions)
+        self.model = LlamaModel(config, group, max_positions, self.qk_norm)
         self.tied = getattr(config, "tie_word_embeddings", False)
         self.lm_head_packed: DenseWeight | QuantizedWeight | None = None
         self.greedy_head: GreedyHead | None = None  # fp32 on CPUs with AVX512-BF16, TP=1

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 def native_stack(model):
     """The C++ stack over `model`'s (a LlamaModel's) layers, or None where its layers need
     Python: weights neither in the C++ panels (fp32, bf16) nor in oneDNN's layout (bf16, fp16), as
-    quantized ones and a GPU's are, or tensor parallel (all-reduces between the ops)."""
+    quantized ones and a GPU's are, tensor parallel (all-reduces between the ops), or per-head
+    query and key norms (Qwen3's), which the C++ layer does not have yet."""
     native = cpu_native.ops_for(model.norm.weight)
     if native is None:
         return None
@@ -33,6 +34,8 @@ def native_stack(model):
         others = (attention.qkv_proj, attention.o_proj, mlp.down_proj)
         kinds.add((type(mlp.gate_up_proj.packed), *{type(linear.packed) for linear in others}))
         if attention.o_proj.group.world_size > 1 or mlp.down_proj.group.world_size > 1:
+            return None
+        if attention.q_norm is not None:
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(norm.eps != model.norm.eps for norm in norms):

@@ -8,11 +8,15 @@ import pytest
 import torch
 import transformers
 
+from lmserve.rolling_batch import LLM
 from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
 from lmserve.rolling_batch.layers.norm_and_rotary import rope_frequencies
 from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
 from lmserve.rolling_batch.models import model_class_for
 from lmserve.rolling_batch.step import SequenceChunk
+
+from ..conftest import TEST_CACHE_DIR
+from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
 
 COMMON = dict(
     vocab_size=300,
@@ -26,6 +30,8 @@ COMMON = dict(
 VARIANTS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    # head_dim 16, not 48 / 6: the explicit head_dim Qwen3 checkpoints have.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
     "llama-biases-untied-llama3-rope": (
         "LlamaConfig",
         "LlamaForCausalLM",
@@ -50,10 +56,12 @@ def save_tiny(folder, config_name, model_name, extra):
     config = getattr(transformers, config_name)(**COMMON, **extra)
     torch.manual_seed(1)
     model = getattr(transformers, model_name)(config).eval()
-    with torch.no_grad():  # random biases: zero-initialised ones would hide a missing bias
+    with torch.no_grad():  # random biases and norms: zeros and ones would hide a missing one
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0, 0.5)
+            elif name.endswith("norm.weight"):
+                param.normal_(1, 0.2)
     model.save_pretrained(folder)
     return model
 
@@ -76,6 +84,21 @@ def test_variant_matches_hf(variant, block_size, tmp_path):
             expected = hf_model(torch.tensor([sequence])).logits[0, -1]
         error = (logits - expected).abs().max() / expected.abs().max()
         assert error < 1e-4, f"{variant}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_qwen3_over_two_ranks_gives_hf_greedy_tokens(paged, tmp_path):
+    """Qwen3's per-head q/k norms, whole on each rank, with 3 query heads and 1 KV head a
+    rank, paged and contiguous."""
+    hf_model = save_tiny(tmp_path, *VARIANTS["qwen3"])
+    hf_model.generation_config.eos_token_id = None  # random weights: run the whole length
+    prompts = [[5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11], list(range(100, 140))]
+    settings = dict(model=tmp_path, dtype="fp32", max_model_len=64, cache_dir=TEST_CACHE_DIR)
+    with LLM(tensor_parallel_degree=2, paged_attention=paged, **settings) as llm:
+        results = llm.generate(prompts, max_new_tokens=10, ignore_eos=True)
+    for prompt, result in zip(prompts, results):
+        expected, logits = hf_greedy_alone(hf_model, prompt, 10)
+        assert_same_or_near_tie(result.token_ids, expected, logits, eos_ids=())
 
 
 def test_unsupported_architecture_names_the_supported_ones():
