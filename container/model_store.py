@@ -18,8 +18,14 @@ from pathlib import Path
 
 from lmserve.handlers.user_code import DEFAULT_ENTRY_POINT, defines_handle, find_entry_point
 from lmserve.properties.config import PROPERTIES_FILE, ServingConfig
+from lmserve.rolling_batch.architectures import native_class
 from lmserve.rolling_batch.gguf_convert import EMBEDDED_NAME, embedded_gguf
-from lmserve.rolling_batch.model_source import ModelSourceError, as_hf_dir, holds_model_files
+from lmserve.rolling_batch.model_source import (
+    ArchitectureCheck,
+    ModelSourceError,
+    as_hf_dir,
+    holds_model_files,
+)
 
 from .s3_download import download_s3_folder
 
@@ -60,32 +66,39 @@ def resolve_model(config: ServingConfig, model_dir: Path | None, cache_dir: Path
         # A user's handler loads what it wants from its own folder, model files or not, as
         # DJL hands it model_dir (and its option.model_id, if any, to read itself).
         return ResolvedModel(folder, folder.name, str(folder))
+    # engine=MPI: a model the rolling batch cannot run stops start-up here, before any
+    # conversion or rank (the message names the alternative).
+    check = native_class if config.engine == "MPI" else None
     if config.model_id is None:
-        return _from_model_dir(model_dir, cache_dir)
-    model = _from_model_id(config, folder, cache_dir)
+        return _from_model_dir(model_dir, cache_dir, check)
+    model = _from_model_id(config, folder, cache_dir, check)
     if folder != model_dir:  # DJL names a model store's model after its folder
         return replace(model, name=folder.name)
     return model
 
 
-def _from_model_id(config: ServingConfig, model_dir: Path | None, cache_dir: Path) -> ResolvedModel:
+def _from_model_id(
+    config: ServingConfig, model_dir: Path | None, cache_dir: Path, check: ArchitectureCheck | None
+) -> ResolvedModel:
     model_id = config.model_id
     name = model_id.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
     if model_id.startswith("s3://"):
         folder = download_s3_folder(model_id, cache_dir)
-        return ResolvedModel(as_hf_dir(folder, cache_dir), name, model_id)
+        return ResolvedModel(as_hf_dir(folder, cache_dir, check), name, model_id)
     local = Path(model_id)
     if not local.is_absolute() and model_dir is not None and (model_dir / local).exists():
         local = model_dir / local  # DJL resolves relative model_ids against the model dir
     if local.exists():
-        return ResolvedModel(as_hf_dir(local, cache_dir), name, str(local))
+        return ResolvedModel(as_hf_dir(local, cache_dir, check), name, str(local))
     if model_id.startswith(("/", ".")) or model_id.endswith(".gguf"):
         raise ModelStoreError(f"option.model_id={model_id!r}: no such file or directory")
     snapshot = _from_hub(model_id, config.revision)
-    return ResolvedModel(as_hf_dir(snapshot, cache_dir), name, f"hub {model_id}")
+    return ResolvedModel(as_hf_dir(snapshot, cache_dir, check), name, f"hub {model_id}")
 
 
-def _from_model_dir(model_dir: Path | None, cache_dir: Path) -> ResolvedModel:
+def _from_model_dir(
+    model_dir: Path | None, cache_dir: Path, check: ArchitectureCheck | None
+) -> ResolvedModel:
     if model_dir is None:
         return _embedded(cache_dir)
     if not model_dir.is_dir():
@@ -93,11 +106,11 @@ def _from_model_dir(model_dir: Path | None, cache_dir: Path) -> ResolvedModel:
         # exists); serving the embedded model for a typo would be a silent wrong answer.
         raise ModelStoreError(f"model dir {model_dir}: no such directory")
     if holds_model_files(model_dir):
-        return ResolvedModel(as_hf_dir(model_dir, cache_dir), model_dir.name, str(model_dir))
+        return ResolvedModel(as_hf_dir(model_dir, cache_dir, check), model_dir.name, str(model_dir))
     subfolders = _model_subfolders(model_dir)
     if len(subfolders) == 1:
         (folder,) = subfolders
-        return ResolvedModel(as_hf_dir(folder, cache_dir), folder.name, str(folder))
+        return ResolvedModel(as_hf_dir(folder, cache_dir, check), folder.name, str(folder))
     if subfolders:
         names = ", ".join(folder.name for folder in subfolders)
         raise ModelStoreError(

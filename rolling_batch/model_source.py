@@ -8,9 +8,13 @@ the hub and the model store layout) and the offline API (`LLM(model=...)`) both 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+from .architectures import UnservableModel, architectures_of
 from .gguf_convert import convert_gguf_once, embedded_gguf
+
+ArchitectureCheck = Callable[[list[str]], object]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -24,11 +28,14 @@ def holds_model_files(folder: Path) -> bool:
     return (folder / "config.json").is_file() or any(folder.glob("*.gguf"))
 
 
-def as_hf_dir(path: Path, cache_dir: Path) -> Path:
-    """An HF directory as is; a .gguf file, or a folder holding only one, converted once."""
+def as_hf_dir(path: Path, cache_dir: Path, check: ArchitectureCheck | None = None) -> Path:
+    """An HF directory as is; a .gguf file, or a folder holding only one, converted once.
+    `check` sees the model's architectures first (before any conversion) and raises
+    UnservableModel for one the engine cannot run (a ModelSourceError here)."""
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelSourceError(f"{path}: expected a model directory or a .gguf file")
+        _check(check, path)
         return convert_gguf_once(path, cache_dir)
     if not path.is_dir():
         raise ModelSourceError(f"{path}: no such file or directory")
@@ -37,14 +44,25 @@ def as_hf_dir(path: Path, cache_dir: Path) -> Path:
         # helpful message from the loader.
         if not any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()):
             raise ModelSourceError(f"{path}: config.json but no *.safetensors or *.bin weights")
+        _check(check, path)
         return path
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
+        _check(check, ggufs[0])
         return convert_gguf_once(ggufs[0], cache_dir)
     found = ", ".join(p.name for p in sorted(path.iterdir())[:10]) or "nothing"
     raise ModelSourceError(
         f"{path}: not a model (expected config.json with weights, or one .gguf file; found {found})"
     )
+
+
+def _check(check: ArchitectureCheck | None, path: Path) -> None:
+    if check is None:
+        return
+    try:
+        check(architectures_of(path))
+    except UnservableModel as error:
+        raise ModelSourceError(str(error)) from None
 
 
 def local_model_path(model: str | Path | None, cache_dir: Path) -> Path:

@@ -1,24 +1,17 @@
-"""Native model implementations, chosen by the HF config's `architectures`."""
+"""Native model implementations, chosen by the HF config's `architectures` from the table in
+rolling_batch/architectures.py (which the front end checks before anything starts)."""
 
 from __future__ import annotations
 
-from .llama import LlamaForCausalLM
-from .qwen3 import Qwen3ForCausalLM
+import importlib
 
-MODEL_CLASSES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
+from ..architectures import native_class
 
 
 def model_class_for(config):
-    architectures = getattr(config, "architectures", None) or []
-    for name in architectures:
-        if name in MODEL_CLASSES:
-            return MODEL_CLASSES[name]
-    raise ValueError(
-        f"unsupported architecture {architectures or getattr(config, 'model_type', '?')}:"
-        f" lmserve's native runtime supports {', '.join(sorted(MODEL_CLASSES))}"
-    )
+    names = list(getattr(config, "architectures", None) or [])
+    if not names and getattr(config, "model_type", None):
+        names = [f"{config.model_type} (model_type)"]
+    _, location = native_class(names)
+    module, name = location.split(":")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

@@ -161,7 +161,7 @@ def test_folder_of_random_files_lists_what_it_found(tmp_path):
 def fake_hf_dir(folder: Path) -> Path:
     """What resolve_model checks of an HF folder (it loads nothing): config.json and weights."""
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text("{}")
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     (folder / "model.safetensors").write_bytes(b"")
     return folder
 
@@ -387,3 +387,63 @@ def test_hub_gguf_repo_is_converted_like_a_local_one(tmp_path, hub_cache, cache_
 
     assert (model.path / "config.json").is_file()
     assert model.path == smollm2_dir  # same file, so the cached conversion is reused
+
+
+def gguf_header(path: Path, architecture: str) -> Path:
+    """A GGUF file's header as llama.cpp writes one, with a string array and a number before
+    general.architecture (the reader skips values of every kind to reach it)."""
+    import struct
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    keys = [
+        string("general.tags") + struct.pack("<IIQ", 9, 8, 2) + string("a") + string("bc"),
+        string("general.file_type") + struct.pack("<II", 4, 15),
+        string("general.architecture") + struct.pack("<I", 8) + string(architecture),
+    ]
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(keys)) + b"".join(keys))
+    return path
+
+
+def test_the_gguf_architecture_is_read_from_the_header():
+    from lmserve.rolling_batch.architectures import gguf_architecture
+    from lmserve.rolling_batch.gguf_convert import embedded_gguf
+
+    assert gguf_architecture(embedded_gguf()) == "llama"
+
+
+def test_a_gguf_the_rolling_batch_cannot_run_is_refused_before_conversion(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    gguf_header(model_dir / "falcon-7b.Q4_K_M.gguf", "falcon")
+    cache = tmp_path / "cache"
+    with pytest.raises(ModelStoreError) as refused:
+        resolve_as_the_cli_does(model_dir, cache)
+    message = str(refused.value)
+    assert "falcon (GGUF)" in message and "LlamaForCausalLM" in message
+    assert "engine=Python with option.rolling_batch=disable" in message
+    assert not (cache / "gguf").exists()  # nothing converted
+
+
+def test_an_hf_model_the_rolling_batch_cannot_run_is_refused_at_start_up(tmp_path, caplog):
+    model_dir = fake_hf_dir(tmp_path / "model")
+    (model_dir / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model-dir", str(model_dir)])
+    assert exited.value.code == 2
+    assert "architecture GPT2LMHeadModel: the rolling batch (engine=MPI) serves" in caplog.text
+    # engine=Python serves it through transformers: nothing to refuse there.
+    python = resolve_as_the_cli_does(
+        model_dir, tmp_path / "cache", OPTION_ENGINE="Python", OPTION_ROLLING_BATCH="disable"
+    )
+    assert python.path == model_dir
+
+
+def test_a_truncated_gguf_is_refused_naming_the_file(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    gguf = gguf_header(model_dir / "model.gguf", "llama")
+    gguf.write_bytes(gguf.read_bytes()[:40])
+    with pytest.raises(ModelStoreError, match="model.gguf: unreadable GGUF header"):
+        resolve_as_the_cli_does(model_dir, tmp_path / "cache")
