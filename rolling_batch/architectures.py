@@ -18,6 +18,7 @@ NATIVE_ARCHITECTURES = {
     "MistralForCausalLM": "llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
+    "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
 }
 # GGUF's general.architecture -> the HF architecture transformers converts it to.
 GGUF_ARCHITECTURES = {
@@ -25,6 +26,7 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 ALTERNATIVE = (
     "engine=Python with option.rolling_batch=disable serves any causal LM transformers loads"

@@ -47,8 +47,17 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def rotary_dim(config, head_dim: int) -> int:
+    """How many of a head's leading dims rotate: all, or `partial_rotary_factor` of them
+    (Phi-3/Phi-4, GPT-NeoX, StableLM), the rest passed through, as HF computes it."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    factor = parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    return int(head_dim * (factor or 1.0))
+
+
 def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies, attention scaling) for the config's rope parameters."""
+    """(inverse frequencies, attention scaling) for the config's rope parameters; `head_dim`:
+    the rotated dims (rotary_dim)."""
     parameters = getattr(config, "rope_parameters", None) or {}
     rope_type = parameters.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -73,10 +82,20 @@ class StepRope:
     sin_signed: torch.Tensor
     positions: torch.Tensor
     native: ModuleType | None
+    rotary_dim: int | None = None  # a partial rotation's dims; None: the whole head
 
     def rotate(self, heads: torch.Tensor) -> torch.Tensor:
         """heads: [T, n, head_dim], query and key heads alike; the native op rotates in place
-        and returns `heads` itself."""
+        and returns `heads` itself. A partial rotation turns the leading rotary_dim dims of
+        each head (a copy: the op takes whole rows) and leaves the rest as they are."""
+        if self.rotary_dim is not None:
+            part = self._rotate_whole(heads[..., : self.rotary_dim].contiguous())
+            heads = heads.clone() if self.native is None else heads
+            heads[..., : self.rotary_dim] = part
+            return heads
+        return self._rotate_whole(heads)
+
+    def _rotate_whole(self, heads: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
             self.native.rotary_(heads, self.positions, self.cos, self.sin_signed)
             return heads
@@ -93,7 +112,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, head_dim: int, max_positions: int):
         super().__init__()
-        inv_freq, scaling = rope_frequencies(config, head_dim)
+        self.rotary_dim = rotary_dim(config, head_dim)
+        self.partial = self.rotary_dim < head_dim  # tables of rotary_dim columns then
+        inv_freq, scaling = rope_frequencies(config, self.rotary_dim)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
@@ -102,7 +123,9 @@ class RotaryEmbedding(nn.Module):
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
         """The rotation of a step's positions [T] (int64), built once for every layer."""
         native = cpu_native.ops_for(positions)
+        partial = self.rotary_dim if self.partial else None
         if native is not None:
-            return StepRope(self.cos, self.sin_signed, positions, native)
+            return StepRope(self.cos, self.sin_signed, positions, native, partial)
         cos = self.cos[positions][:, None, :].to(dtype)
-        return StepRope(cos, self.sin_signed[positions][:, None, :].to(dtype), positions, None)
+        sin_signed = self.sin_signed[positions][:, None, :].to(dtype)
+        return StepRope(cos, sin_signed, positions, None, partial)

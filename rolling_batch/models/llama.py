@@ -296,11 +296,18 @@ class LlamaForCausalLM(nn.Module):
             targets[name] = (linear.lora, projection)
         return targets
 
+    def checkpoint_tensors(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors under Llama's names: a family whose checkpoints name or
+        fuse them otherwise translates here (models/phi3.py)."""
+        return weights
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in self.checkpoint_tensors(weights):
             if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
                 continue
             target, shard = _fused_name(name)

@@ -22,10 +22,11 @@ log = logging.getLogger(__name__)
 def native_stack(model):
     """The C++ stack over `model`'s (a LlamaModel's) layers, or None where its layers need
     Python: weights neither in the C++ panels (fp32, bf16) nor in oneDNN's layout (bf16, fp16), as
-    quantized ones and a GPU's are, tensor parallel (all-reduces between the ops), or per-head
-    query and key norms (Qwen3's), which the C++ layer does not have yet."""
+    quantized ones and a GPU's are, tensor parallel (all-reduces between the ops), per-head
+    query and key norms (Qwen3's) or a partial rotation (Phi-3's), which the C++ layer does not
+    have yet."""
     native = cpu_native.ops_for(model.norm.weight)
-    if native is None:
+    if native is None or model.rotary.partial:
         return None
     layers = list(model.layers)
     kinds = set()

@@ -32,6 +32,20 @@ VARIANTS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     # head_dim 16, not 48 / 6: the explicit head_dim Qwen3 checkpoints have.
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
+    # Fused qkv_proj and gate_up_proj in the checkpoint; Phi-4-mini's partial rotation.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
+    "phi3-partial-rotary": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            pad_token_id=0,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+    ),
     "llama-biases-untied-llama3-rope": (
         "LlamaConfig",
         "LlamaForCausalLM",
@@ -86,11 +100,14 @@ def test_variant_matches_hf(variant, block_size, tmp_path):
         assert error < 1e-4, f"{variant}: relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("paged", [True, False])
-def test_qwen3_over_two_ranks_gives_hf_greedy_tokens(paged, tmp_path):
-    """Qwen3's per-head q/k norms, whole on each rank, with 3 query heads and 1 KV head a
-    rank, paged and contiguous."""
-    hf_model = save_tiny(tmp_path, *VARIANTS["qwen3"])
+@pytest.mark.parametrize(
+    ("variant", "paged"), [("qwen3", True), ("qwen3", False), ("phi3-partial-rotary", True)]
+)
+def test_over_two_ranks_gives_hf_greedy_tokens(variant, paged, tmp_path, smollm2_dir):
+    """3 query heads and 1 KV head a rank, paged and contiguous: Qwen3's per-head q/k norms
+    whole on each rank; Phi-3's fused checkpoint matrices split, then sharded by head."""
+    hf_model = save_tiny(tmp_path, *VARIANTS[variant])
+    transformers.AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(tmp_path)  # LLM's
     hf_model.generation_config.eos_token_id = None  # random weights: run the whole length
     prompts = [[5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11], list(range(100, 140))]
     settings = dict(model=tmp_path, dtype="fp32", max_model_len=64, cache_dir=TEST_CACHE_DIR)
