@@ -19,8 +19,10 @@ NATIVE_ARCHITECTURES = {
     "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
+    "GemmaForCausalLM": "gemma:GemmaForCausalLM",
 }
-# GGUF's general.architecture -> the HF architecture transformers converts it to.
+# GGUF's general.architecture -> the HF architecture transformers converts it to (of those it
+# converts: not the first Gemma's).
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,9 +43,19 @@ _FUSED = {
 }
 
 
+@dataclass(frozen=True)
+class BlockVariant:
+    """How a family's decoder differs from Llama's by a switch (set on its ForCausalLM)."""
+
+    qk_norm: bool = False  # each query and key head RMS-normed before the rotation (Qwen3)
+    activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    scaled_embedding: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+
+
 class LlamaMLP(nn.Module):
-    def __init__(self, config, group: TensorParallelGroup):
+    def __init__(self, config, group: TensorParallelGroup, activation: str = "silu"):
         super().__init__()
+        self.activation = activation
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnLinear(
@@ -55,6 +66,9 @@ class LlamaMLP(nn.Module):
         self.local = local
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "gelu_tanh":  # the C++ ops fuse SiLU only
+            gate, up = self.gate_up_proj(x).split(self.local, dim=-1)
+            return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
         packed = self.gate_up_proj.packed
         if isinstance(packed, NativeGatedWeight) and not self.gate_up_proj.adapters_active:
             return self.down_proj(packed.silu_and_mul(x, self.gate_up_proj.bias))
@@ -67,7 +81,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, head_dim, group, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, head_dim, group, qkv_bias: bool, o_bias: bool, variant):
         super().__init__()
         heads = shard_heads(
             config.num_attention_heads, config.num_key_value_heads, group.world_size, group.rank
@@ -79,9 +93,9 @@ class LlamaDecoderLayer(nn.Module):
             group,
             qkv_bias,
             o_bias,
-            qk_norm_eps=config.rms_norm_eps if qk_norm else None,
+            qk_norm_eps=config.rms_norm_eps if variant.qk_norm else None,
         )
-        self.mlp = LlamaMLP(config, group)
+        self.mlp = LlamaMLP(config, group, variant.activation)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -98,7 +112,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, group, max_positions: int, qk_norm: bool = False):
+    def __init__(self, config, group, max_positions: int, variant: BlockVariant):
         super().__init__()
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -110,9 +124,11 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim, group, qkv_bias, o_bias, qk_norm)
+            LlamaDecoderLayer(config, head_dim, group, qkv_bias, o_bias, variant)
             for _ in range(config.num_hidden_layers)
         )
+        # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model dtype first.
+        self.embed_scale = config.hidden_size**0.5 if variant.scaled_embedding else None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.native_stack = None  # set by LlamaForCausalLM.pack_weights where it applies
         self.lora_step: LoraStep | None = None  # LoRA: the stack serves steps without adapters
@@ -123,6 +139,8 @@ class LlamaModel(nn.Module):
                 *self._stack_inputs(input_ids, positions, kv_caches, meta), meta.output_rows
             )
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         rope = self.rotary.for_step(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -160,8 +178,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # Families that differ from Llama by a switch set it in a subclass (models/qwen3.py).
-    qk_norm = False  # each query and key head RMS-normed before the rotation
+    variant = BlockVariant()  # families that differ by a switch set theirs (models/qwen3.py)
 
     def __init__(self, config, group: TensorParallelGroup, max_positions: int):
         super().__init__()
@@ -173,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
                     f" option.max_model_len <= {sliding_window}"
                 )
         self.config = config
-        self.model = LlamaModel(config, group, max_positions, self.qk_norm)
+        self.model = LlamaModel(config, group, max_positions, self.variant)
         self.tied = getattr(config, "tie_word_embeddings", False)
         self.lm_head_packed: DenseWeight | QuantizedWeight | None = None
         self.greedy_head: GreedyHead | None = None  # fp32 on CPUs with AVX512-BF16, TP=1

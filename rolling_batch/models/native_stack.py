@@ -23,10 +23,10 @@ def native_stack(model):
     """The C++ stack over `model`'s (a LlamaModel's) layers, or None where its layers need
     Python: weights neither in the C++ panels (fp32, bf16) nor in oneDNN's layout (bf16, fp16), as
     quantized ones and a GPU's are, tensor parallel (all-reduces between the ops), per-head
-    query and key norms (Qwen3's) or a partial rotation (Phi-3's), which the C++ layer does not
-    have yet."""
+    query and key norms (Qwen3's), a partial rotation (Phi-3's), GELU or scaled embeddings
+    (Gemma's), which the C++ layer does not have yet."""
     native = cpu_native.ops_for(model.norm.weight)
-    if native is None or model.rotary.partial:
+    if native is None or model.rotary.partial or model.embed_scale is not None:
         return None
     layers = list(model.layers)
     kinds = set()
@@ -36,7 +36,7 @@ def native_stack(model):
         kinds.add((type(mlp.gate_up_proj.packed), *{type(linear.packed) for linear in others}))
         if attention.o_proj.group.world_size > 1 or mlp.down_proj.group.world_size > 1:
             return None
-        if attention.q_norm is not None:
+        if attention.q_norm is not None or mlp.activation != "silu":
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(norm.eps != model.norm.eps for norm in norms):

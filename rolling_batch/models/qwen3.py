@@ -4,8 +4,8 @@ hidden_size / heads."""
 
 from __future__ import annotations
 
-from .llama import LlamaForCausalLM
+from .llama import BlockVariant, LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    qk_norm = True
+    variant = BlockVariant(qk_norm=True)

@@ -32,6 +32,8 @@ VARIANTS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
     # head_dim 16, not 48 / 6: the explicit head_dim Qwen3 checkpoints have.
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
+    # GeGLU, scaled embeddings, (1 + w) norms, head_dim 16 (not 48 / 6).
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16, pad_token_id=0)),
     # Fused qkv_proj and gate_up_proj in the checkpoint; Phi-4-mini's partial rotation.
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
     "phi3-partial-rotary": (
@@ -101,7 +103,8 @@ def test_variant_matches_hf(variant, block_size, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("variant", "paged"), [("qwen3", True), ("qwen3", False), ("phi3-partial-rotary", True)]
+    ("variant", "paged"),
+    [("qwen3", True), ("qwen3", False), ("phi3-partial-rotary", True), ("gemma", True)],
 )
 def test_over_two_ranks_gives_hf_greedy_tokens(variant, paged, tmp_path, smollm2_dir):
     """3 query heads and 1 KV head a rank, paged and contiguous: Qwen3's per-head q/k norms
