@@ -20,6 +20,7 @@ NATIVE_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "GemmaForCausalLM": "gemma:GemmaForCausalLM",
+    "FalconForCausalLM": "falcon:FalconForCausalLM",
 }
 # GGUF's general.architecture -> the HF architecture transformers converts it to (of those it
 # converts: not the first Gemma's).
@@ -29,6 +30,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "falcon": "FalconForCausalLM",
 }
 ALTERNATIVE = (
     "engine=Python with option.rolling_batch=disable serves any causal LM transformers loads"
@@ -64,7 +66,9 @@ def architectures_of(path: Path) -> list[str]:
     names = config.get("architectures") or []
     if not names and config.get("model_type"):
         names = [f"{config['model_type']} (model_type)"]
-    return [str(name) for name in names]
+    # A variant the family module refuses is its own name here, refused before anything starts.
+    variant = " (alibi)" if config.get("alibi") else ""
+    return [f"{name}{variant}" for name in names]
 
 
 # GGUF value types: struct formats of the fixed-size ones, and the two others.

@@ -12,7 +12,7 @@ import torch
 
 from . import kv_cache
 from .context_length import context_length
-from .layers.parallel import TensorParallelGroup, shard_heads
+from .layers.parallel import TensorParallelGroup
 from .lora_adapters import ADAPTERS_DIR, find_adapters
 from .lora_manager import LoraManager
 from .model_loader import load_hf_config, load_model, resolve_dtype
@@ -88,14 +88,11 @@ def build_runner(
         lora = _lora_manager(model_path, options, model, hf_config, dtype)
 
     block_size = options.block_size if options.paged_attention else max_model_len
-    heads = shard_heads(
-        hf_config.num_attention_heads, hf_config.num_key_value_heads, group.world_size, group.rank
-    )
-    head_dim = getattr(hf_config, "head_dim", None) or (
-        hf_config.hidden_size // hf_config.num_attention_heads
-    )
+    # This rank's KV heads as the model's attention holds them: each family names and counts
+    # them in its config its own way (Falcon: multi_query, num_kv_heads).
+    attention = model.model.layers[0].self_attn
     shape = kv_cache.CacheShape(
-        hf_config.num_hidden_layers, heads.num_kv, head_dim, block_size, dtype
+        len(model.model.layers), attention.heads.num_kv, attention.head_dim, block_size, dtype
     )
     budget = kv_cache.memory_budget(
         device, options.gpu_memory_utilization, options.cpu_kv_cache_fraction, ranks_here

@@ -76,7 +76,9 @@ class MergedColumnLinear(PackableLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: int) -> None:
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: int | None) -> None:
+        """`shard`: which projection `full` is; None for a linear of one (Falcon's MLP)."""
+        shard = shard or 0
         start, size = self.splits[shard]
         offset = self.offsets[shard]
         param.data[offset : offset + size].copy_(full[start : start + size])

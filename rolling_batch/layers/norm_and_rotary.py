@@ -47,6 +47,29 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm with its bias (Falcon, GPT-NeoX, StableLM), as torch's, with RMSNorm's
+    contract: norm(x), or with `residual` (norm(residual + x), residual + x). Torch's op on every
+    device: no C++ op of its own yet."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
 def rotary_dim(config, head_dim: int) -> int:
     """How many of a head's leading dims rotate: all, or `partial_rotary_factor` of them
     (Phi-3/Phi-4, GPT-NeoX, StableLM), the rest passed through, as HF computes it."""

@@ -112,6 +112,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    native_stack_layers = True  # layers the one-call C++ stack may run (native_stack.py)
+
     def __init__(self, config, group, max_positions: int, variant: BlockVariant):
         super().__init__()
         head_dim = (
@@ -179,6 +181,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     variant = BlockVariant()  # families that differ by a switch set theirs (models/qwen3.py)
+    model_class: type[nn.Module] = LlamaModel  # a family with other layers (models/falcon.py)
 
     def __init__(self, config, group: TensorParallelGroup, max_positions: int):
         super().__init__()
@@ -190,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
                     f" option.max_model_len <= {sliding_window}"
                 )
         self.config = config
-        self.model = LlamaModel(config, group, max_positions, self.variant)
+        self.model = self.model_class(config, group, max_positions, self.variant)
         self.tied = getattr(config, "tie_word_embeddings", False)
         self.lm_head_packed: DenseWeight | QuantizedWeight | None = None
         self.greedy_head: GreedyHead | None = None  # fp32 on CPUs with AVX512-BF16, TP=1

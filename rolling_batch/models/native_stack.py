@@ -26,7 +26,9 @@ def native_stack(model):
     query and key norms (Qwen3's), a partial rotation (Phi-3's), GELU or scaled embeddings
     (Gemma's), which the C++ layer does not have yet."""
     native = cpu_native.ops_for(model.norm.weight)
-    if native is None or model.rotary.partial or model.embed_scale is not None:
+    if not model.native_stack_layers or native is None:
+        return None
+    if model.rotary.partial or model.embed_scale is not None:
         return None
     layers = list(model.layers)
     kinds = set()

@@ -447,3 +447,13 @@ def test_a_truncated_gguf_is_refused_naming_the_file(tmp_path):
     gguf.write_bytes(gguf.read_bytes()[:40])
     with pytest.raises(ModelStoreError, match="model.gguf: unreadable GGUF header"):
         resolve_as_the_cli_does(model_dir, tmp_path / "cache")
+
+
+def test_a_falcon_with_alibi_is_refused_by_name(tmp_path):
+    model_dir = fake_hf_dir(tmp_path / "model")
+    config = '{"architectures": ["FalconForCausalLM"], "alibi": true}'
+    (model_dir / "config.json").write_text(config)
+    with pytest.raises(ModelStoreError, match=r"architecture FalconForCausalLM \(alibi\)"):
+        resolve_as_the_cli_does(model_dir, tmp_path / "cache")
+    (model_dir / "config.json").write_text('{"architectures": ["FalconForCausalLM"]}')
+    assert resolve_as_the_cli_does(model_dir, tmp_path / "cache").path == model_dir

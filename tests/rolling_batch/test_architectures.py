@@ -34,6 +34,18 @@ VARIANTS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
     # GeGLU, scaled embeddings, (1 + w) norms, head_dim 16 (not 48 / 6).
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16, pad_token_id=0)),
+    # Falcon's three query_key_value layouts, LayerNorm with bias, plain GELU MLP.
+    "falcon-7b": ("FalconConfig", "FalconForCausalLM", dict(multi_query=True)),
+    "falcon-40b": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(new_decoder_architecture=True, num_kv_heads=2, bias=True),
+    ),
+    "falcon-sequential": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(multi_query=False, parallel_attn=False, bias=True, tie_word_embeddings=False),
+    ),
     # Fused qkv_proj and gate_up_proj in the checkpoint; Phi-4-mini's partial rotation.
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
     "phi3-partial-rotary": (
@@ -104,7 +116,14 @@ def test_variant_matches_hf(variant, block_size, tmp_path):
 
 @pytest.mark.parametrize(
     ("variant", "paged"),
-    [("qwen3", True), ("qwen3", False), ("phi3-partial-rotary", True), ("gemma", True)],
+    [
+        ("qwen3", True),
+        ("qwen3", False),
+        ("phi3-partial-rotary", True),
+        ("gemma", True),
+        ("falcon-40b", True),
+        ("falcon-7b", False),
+    ],
 )
 def test_over_two_ranks_gives_hf_greedy_tokens(variant, paged, tmp_path, smollm2_dir):
     """3 query heads and 1 KV head a rank, paged and contiguous: Qwen3's per-head q/k norms
