@@ -7,8 +7,10 @@ and make a process as slow as they need by stopping it (`stopped`)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +22,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import requests
+
+from lmserve.rolling_batch import protocol
+from lmserve.rolling_batch.runtime import STATE_FILE
 
 from .conftest import TEST_CACHE_DIR
 
@@ -83,16 +88,18 @@ def process_state(pid: int) -> str:
 T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], T], what: str, timeout: float = 60.0) -> T:
-    """Polls `condition` until it returns something true, and returns that. `timeout` only
-    guards against a hang: nothing a test asserts rests on how soon the condition holds."""
+def wait_until(
+    condition: Callable[[], T], what: str, timeout: float = 60.0, interval: float = 0.02
+) -> T:
+    """Polls `condition` every `interval` s until it returns something true, and returns that.
+    `timeout` only guards against a hang: nothing a test asserts rests on how soon it holds."""
     deadline = time.monotonic() + timeout
     while True:
         found = condition()
         if found:
             return found
         assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
-        time.sleep(0.02)
+        time.sleep(interval)
 
 
 @contextmanager
@@ -114,6 +121,7 @@ class Server:
     def __init__(self, model_dir: Path, env: dict[str, str] | None = None, log_path: Path = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self._ipc_dir: Path | None = None
         # Beside the model dir, never in it: a model dir holding files but no model is refused.
         self.log_path = log_path or model_dir.with_name(f"{model_dir.name}-server.log")
         full_env = {**os.environ, "LMSERVE_CACHE_DIR": str(TEST_CACHE_DIR), **(env or {})}
@@ -168,6 +176,27 @@ class Server:
                 return pid
         raise AssertionError(f"rank {rank} not found")
 
+    def ipc_dir(self) -> Path:
+        """The server's private IPC directory (runtime.json, the engine's state file, its
+        socket), named in the HTTP server's command line."""
+        if self._ipc_dir is None:
+            for pid in descendants(self.process.pid):
+                found = re.search(r"create_app\('(.+)'\)", command_line(pid))
+                if found:
+                    self._ipc_dir = Path(found.group(1)).parent
+                    break
+            else:
+                raise AssertionError("no HTTP server found")
+        return self._ipc_dir
+
+    def engine_state(self) -> str:
+        """The state the supervisor and the engine write for the front end (loading, ready,
+        failed): read at once, without waiting for the front end."""
+        try:
+            return json.loads((self.ipc_dir() / STATE_FILE).read_text())["state"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            return protocol.EngineState.LOADING
+
     @contextmanager
     def supervisor_stopped(self) -> Iterator[None]:
         """The supervisor (`lmserve serve` itself) stopped for the block, once it has started the
@@ -193,11 +222,16 @@ class Server:
         except (requests.ConnectionError, requests.Timeout):
             return None
 
-    def engine_stats(self) -> dict | None:
-        """The engine's stats from /models/<name> (None while the engine is not serving)."""
+    def engine_stats(self) -> dict:
+        """The engine's stats from /models/<name>: fresh, or the newest the front end has
+        while the engine is busy (waits while it has none, as while the engine loads)."""
         name = requests.get(f"{self.url}/models", timeout=30).json()["models"][0]["modelName"]
-        model = requests.get(f"{self.url}/models/{name}", timeout=30).json()
-        return model["engine"]["stats"]
+
+        def stats() -> dict | None:
+            model = requests.get(f"{self.url}/models/{name}", timeout=30).json()
+            return model["engine"]["stats"]
+
+        return wait_until(stats, "the engine's stats")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
@@ -216,22 +250,23 @@ class Server:
 
 
 def decode_step_seconds(server: Server, probe_tokens: int = 200) -> float:
-    """This machine's time per decode step for one request, measured now: the time between the
-    first and the last line of a short streamed generation, over the steps between them."""
+    """This machine's time per decode step for one request that is not streamed, measured now:
+    a short generation's time over its tokens (prefill and HTTP add a little: it errs long)."""
     body = {
         "inputs": "Once upon a time",
         "parameters": {"max_new_tokens": probe_tokens, "ignore_eos_token": True},
-        "stream": True,
     }
-    with requests.post(f"{server.url}/invocations", json=body, stream=True, timeout=300) as r:
-        assert r.status_code == 200, r.text
-        times = [time.monotonic() for line in r.iter_lines() if line]
-    assert len(times) >= probe_tokens, f"{len(times)} lines for {probe_tokens} tokens"
-    return (times[-1] - times[0]) / (len(times) - 1)
+    started = time.monotonic()
+    answer = requests.post(f"{server.url}/invocations", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    return (time.monotonic() - started) / probe_tokens
 
 
 def tokens_lasting(server: Server, seconds: float, limit: int) -> int:
     """How many new tokens one greedy request should ask for to take at least `seconds` here,
     at the step time just measured (a step never gets cheaper as its context grows), at most
     `limit` (what option.max_model_len leaves for them)."""
-    return min(limit, math.ceil(seconds / decode_step_seconds(server)))
+    step_s = decode_step_seconds(server)
+    num_tokens = min(limit, math.ceil(seconds / step_s))
+    print(f"probe: {step_s * 1e3:.2f} ms per step: {num_tokens} tokens for {seconds} s")
+    return num_tokens

@@ -19,14 +19,17 @@ from lmserve.benchmarks.workload import PlannedRequest
 
 class _FakeServer(ThreadingHTTPServer):
     """Streams `max_new_tokens` lmserve-style token lines and records the most requests it
-    had in flight. A request is held until `hold_for` requests are in flight (or a timeout),
-    so overlap that the client allows is certain to happen, not left to thread timing."""
+    had in flight. A request is held until `hold_for` requests are in flight, or all
+    `expected` have come (no more can join it), so overlap that the client allows is certain
+    to happen, not left to thread timing. The hold's timeout only guards against a hang (a
+    client that allows less overlap than `hold_for`: the test then fails on max_in_flight)."""
 
     daemon_threads = True
 
-    def __init__(self, hold_for: int):
+    def __init__(self, hold_for: int, expected: int | None):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.hold_for = hold_for
+        self.expected = expected
         self.in_flight = 0
         self.max_in_flight = 0
         self.changed = threading.Condition()
@@ -42,7 +45,12 @@ class _Handler(BaseHTTPRequestHandler):
             server.in_flight += 1
             server.max_in_flight = max(server.max_in_flight, server.in_flight)
             server.changed.notify_all()
-            server.changed.wait_for(lambda: server.in_flight >= server.hold_for, timeout=2)
+            server.changed.wait_for(
+                lambda: (
+                    server.in_flight >= server.hold_for or len(server.bodies) == server.expected
+                ),
+                timeout=60,
+            )
         try:
             self.send_response(200)
             self.send_header("Content-Type", "application/jsonlines")
@@ -62,8 +70,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def fake_server(hold_for: int):
-    server = _FakeServer(hold_for)
+def fake_server(hold_for: int, expected: int | None = None):
+    server = _FakeServer(hold_for, expected)
     thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
     thread.start()
     try:
@@ -79,7 +87,7 @@ def planned(count: int) -> list[PlannedRequest]:
 
 @pytest.mark.parametrize(("concurrency", "expected"), [(None, 4), (2, 2), (1, 1)])
 def test_requests_in_flight_are_bounded_by_concurrency(concurrency, expected):
-    with fake_server(hold_for=expected) as (server, url):
+    with fake_server(hold_for=expected, expected=4) as (server, url):
         wall, results = loadgen.run(url, "lmserve", planned(4), None, concurrency)
     assert server.max_in_flight == expected
     assert all(r.error is None for r in results)

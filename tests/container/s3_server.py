@@ -55,7 +55,7 @@ class S3Server:
         return self.log_path.read_text(errors="replace")[-4000:]
 
 
-def start_s3_server(log_path: Path, timeout: float = 30.0) -> S3Server:
+def start_s3_server(log_path: Path, timeout: float = 120.0) -> S3Server:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(log_path, "wb")
@@ -71,10 +71,10 @@ def start_s3_server(log_path: Path, timeout: float = 30.0) -> S3Server:
         if process.poll() is not None:
             raise AssertionError(f"moto_server exited early:\n{server.log()}")
         try:
-            if requests.get(f"{url}/moto-api/data.json", timeout=2).status_code == 200:
+            if requests.get(f"{url}/moto-api/data.json", timeout=10).status_code == 200:
                 return server
-        except requests.ConnectionError:
-            pass
+        except (requests.ConnectionError, requests.Timeout):
+            pass  # not listening yet, or still starting on a busy machine
         time.sleep(0.1)
     stop_s3_server(server)
     raise AssertionError(f"moto_server not answering after {timeout} s:\n{server.log()}")

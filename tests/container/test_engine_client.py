@@ -12,7 +12,7 @@ import time
 import pytest
 import zmq
 
-from lmserve.container.engine_client import EngineClient
+from lmserve.container.engine_client import _REFRESH_ID, EngineClient
 from lmserve.properties.config import load_config
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime, write_state
@@ -33,7 +33,7 @@ def engine(runtime):
 
 
 def receive(engine) -> tuple[bytes, protocol.ToEngine]:
-    assert engine.poll(5000), "nothing reached the engine"
+    assert engine.poll(60_000), "nothing reached the engine"
     identity, frame = engine.recv_multipart()
     return identity, protocol.decode_request(frame)
 
@@ -55,9 +55,9 @@ def test_batched_events_reach_each_request_and_bad_frames_are_dropped(runtime, e
         engine.send_multipart([identity, protocol.encode(batch)])
         final = protocol.FinalEvent("a", [2], [-0.1], protocol.FinishReason.LENGTH, 2)
         engine.send_multipart([identity, protocol.encode(final)])
-        assert first.get(timeout=5).token_ids == [1]
-        assert isinstance(first.get(timeout=5), protocol.FinalEvent)
-        assert second.get(timeout=5).id == "b"
+        assert first.get(timeout=60).token_ids == [1]
+        assert isinstance(first.get(timeout=60), protocol.FinalEvent)
+        assert second.get(timeout=60).id == "b"
         assert first.empty() and second.empty()
 
 
@@ -66,24 +66,31 @@ def test_stats_are_fresh_when_the_engine_answers_else_the_newest_known(runtime, 
     client = EngineClient(runtime)
     identity, refresh = receive(engine)  # the client's own refresh, sent at once when ready
     assert isinstance(refresh, protocol.StatsRequest)
+    answered = time.monotonic()
     engine.send_multipart([identity, protocol.encode(protocol.StatsEvent(refresh.id, {"n": 1}))])
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while client._latest_stats is None:  # the I/O thread routes the answer
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    # The engine is "busy" (answers nothing): the refreshed copy, with its age.
+    # The engine is "busy" (answers nothing): the refreshed copy, with its age: at least the
+    # wait for a fresh answer, at most the time since the engine sent it.
     stats, age = client.stats(timeout=0.2)
-    assert stats == {"n": 1} and 0.2 <= age < 5
+    assert stats == {"n": 1} and 0.2 <= age <= time.monotonic() - answered
     receive(engine)  # that request, never answered
     answering = threading.Thread(target=answer_next, args=(engine, {"n": 2}))
     answering.start()
-    assert client.stats(timeout=5) == ({"n": 2}, 0.0)
+    assert client.stats(timeout=60) == ({"n": 2}, 0.0)
     answering.join()
 
 
 def answer_next(engine, stats: dict) -> None:
-    identity, message = receive(engine)
-    engine.send_multipart([identity, protocol.encode(protocol.StatsEvent(message.id, stats))])
+    """Answers the next stats request (and, with the same stats, any refresh the client's own
+    I/O thread sends first, when the machine is slow enough for one to be due)."""
+    while True:
+        identity, message = receive(engine)
+        engine.send_multipart([identity, protocol.encode(protocol.StatsEvent(message.id, stats))])
+        if message.id != _REFRESH_ID:
+            return
 
 
 def test_no_stats_before_the_engine_ever_answered(runtime, engine):

@@ -58,17 +58,34 @@ def engine(tmp_path, work, **env):
         dealer.close(linger=0)
 
 
+class CountingSocket:
+    """The engine's socket, counting the messages read from it."""
+
+    def __init__(self, socket: zmq.Socket):
+        self.socket = socket
+        self.received = 0
+
+    def recv_multipart(self, *args, **kwargs):
+        message = self.socket.recv_multipart(*args, **kwargs)
+        self.received += 1
+        return message
+
+    def send_multipart(self, *args, **kwargs):
+        return self.socket.send_multipart(*args, **kwargs)
+
+
 def exchange(loop, dealer, frames: list[bytes], expected_events: int) -> list:
     """Sends `frames`, runs every batch they make, returns the events the front end got."""
     for frame in frames:
         dealer.send(frame)
-    assert loop.socket.poll(2000)
-    time.sleep(0.05)  # every frame sent is waiting on the socket
-    drain_router(loop.socket, loop._handle)
+    counting = CountingSocket(loop.socket)
+    while counting.received < len(frames):  # every frame sent has reached the engine
+        assert loop.socket.poll(60_000), f"{counting.received} of {len(frames)} frames arrived"
+        drain_router(counting, loop._handle)
     for batch in iter(lambda: loop.batcher.next_batch(time.monotonic() + 60), []):
         loop.run_batch(batch)
     events = []
-    while len(events) < expected_events and dealer.poll(1000):
+    while len(events) < expected_events and dealer.poll(60_000):
         events += protocol.decode_events(dealer.recv())
     return events
 

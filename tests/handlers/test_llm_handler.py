@@ -30,7 +30,8 @@ class FakeEngine:
     the rolling engine does: a token event per token when streamed, then a final event.
     `behaviour` "silent" never answers (and is never heard from), "refuse" sends a 503 error
     event, "fail_midway" sends one token and then an error, "slow" takes `SLOW_S` to answer a
-    request that is not streamed while the engine keeps answering between its steps."""
+    request that is not streamed while the engine keeps answering between its steps (it is
+    heard from whenever the handler looks, however seldom the machine lets that be)."""
 
     def __init__(self, tokenizer: Tokenizer, eos_id: int, behaviour: str = "answer"):
         self.reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
@@ -39,9 +40,10 @@ class FakeEngine:
         self.messages: list[protocol.GenerateRequest] = []
         self.finished: dict[str, list[bool]] = {}  # request id -> abort flags, in order
         self._heard = time.monotonic()
+        self._stepping = False  # a slow answer is under way
 
     def last_heard(self) -> float:
-        return self._heard
+        return time.monotonic() if self._stepping else self._heard
 
     def submit(
         self, message: protocol.GenerateRequest, events: queue.SimpleQueue | None = None
@@ -52,6 +54,7 @@ class FakeEngine:
         if self.behaviour == "silent":
             return events
         if self.behaviour == "slow":
+            self._stepping = True
             threading.Thread(target=self._answer_slowly, args=(message, events)).start()
             return events
         if self.behaviour == "refuse":
@@ -91,11 +94,10 @@ class FakeEngine:
         return events
 
     def _answer_slowly(self, message, events) -> None:
-        """Steps for SLOW_S; stats answers between steps keep it heard from."""
-        started = time.monotonic()
-        while time.monotonic() - started < SLOW_S:
-            time.sleep(0.1)
-            self._heard = time.monotonic()
+        """Steps for SLOW_S (at least); stats answers between steps keep it heard from."""
+        time.sleep(SLOW_S)
+        self._heard = time.monotonic()
+        self._stepping = False
         tokens = self.reply_ids[: message.params.max_new_tokens]
         final = protocol.FinalEvent(message.id, tokens, [-0.5] * len(tokens), "length", 1)
         events.put(final)

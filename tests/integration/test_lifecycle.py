@@ -1,6 +1,12 @@
 """The server's life: 503 while loading, clean stop on SIGTERM/SIGINT with nothing left behind,
 an engine that dies or never loads turns /ping unhealthy, answers waiting clients and ends the
-server non-zero, and a bad configuration stops start-up with a message, not a traceback."""
+server non-zero, and a bad configuration stops start-up with a message, not a traceback.
+
+None of it rests on the machine's speed. A model that must still be loading, or a request that
+must still be running, is a model.py that loads when the test says and a request that never
+ends (GATED_HANDLER). A state the server keeps only for a grace period before it exits (failed)
+is looked at with the supervisor stopped (Server.supervisor_stopped), however slowly the front
+end started."""
 
 from __future__ import annotations
 
@@ -17,7 +23,32 @@ from pathlib import Path
 import pytest
 import requests
 
-from ..servers import Server, command_line, write_properties
+from ..servers import Server, command_line, wait_until, write_properties
+
+# A DJL model.py that loads only once the file named by option.load_gate exists, and whose
+# request {"hold": true} never ends: it makes the file named by option.inside and waits.
+GATED_HANDLER = """
+import os
+import time
+from pathlib import Path
+
+from djl_python import Input, Output
+
+options = {}
+
+
+def handle(inputs: Input) -> Output | None:
+    if inputs.is_empty():  # DJL's load-time call, with the model's options
+        options.update(inputs.get_properties())
+        while not os.path.exists(options["load_gate"]):
+            time.sleep(0.02)
+        return None
+    if inputs.get_batches()[0].get_as_json().get("hold"):
+        Path(options["inside"]).touch()
+        while True:
+            time.sleep(1)
+    return Output().add_as_json({"loaded": True})
+"""
 
 
 def tiny_folder(tmp_path, tiny_model_dir, **extra):
@@ -30,31 +61,58 @@ def tiny_folder(tmp_path, tiny_model_dir, **extra):
     return write_properties(tmp_path / "model", properties)
 
 
-def first_answer(server: Server, path: str = "/ping", timeout: float = 60.0):
+def gated_folder(tmp_path, loaded: bool, **extra) -> tuple[Path, Path, Path]:
+    """(a model dir of GATED_HANDLER, its load gate, the file its held request makes); the gate
+    is open from the start when `loaded`."""
+    folder, gate, inside = tmp_path / "gated", tmp_path / "load-gate", tmp_path / "inside"
+    folder.mkdir()
+    (folder / "model.py").write_text(GATED_HANDLER)
+    properties = {"engine": "Python", "option.load_gate": gate, "option.inside": inside}
+    write_properties(folder, {**properties, **extra})
+    if loaded:
+        gate.touch()
+    return folder, gate, inside
+
+
+def first_answer(server: Server, path: str = "/ping", timeout: float = 120.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            return requests.get(f"{server.url}{path}", timeout=2)
-        except requests.ConnectionError:
+            return requests.get(f"{server.url}{path}", timeout=10)
+        except (requests.ConnectionError, requests.Timeout):
             time.sleep(0.05)
     raise AssertionError("server never answered")
 
 
-def test_ping_is_503_while_loading_then_200(tmp_path, tiny_model_dir):
-    server = Server(tiny_folder(tmp_path, tiny_model_dir))
+def ping_if(server: Server, status: int) -> dict | None:
+    """/ping's body if it comes with `status`."""
     try:
-        loading = first_answer(server)
+        answer = requests.get(f"{server.url}/ping", timeout=10)
+    except (requests.ConnectionError, requests.Timeout):
+        return None
+    return answer.json() if answer.status_code == status else None
+
+
+def test_ping_is_503_while_loading_then_200(tmp_path):
+    folder, gate, _ = gated_folder(tmp_path, loaded=False)
+    server = Server(folder)
+    try:
+        loading = first_answer(server)  # the model cannot have loaded: its gate is shut
         assert loading.status_code == 503
-        (status,) = loading.json().values()
+        ((name, status),) = loading.json().items()
         assert status["status"] == "PENDING"  # DJL's word for a model still loading
-        (listed,) = requests.get(f"{server.url}/models", timeout=5).json()["models"]
-        assert listed["status"] in ("PENDING", "READY")  # READY if loading finished meanwhile
-        early = requests.post(f"{server.url}/invocations", json={"inputs": "hi"}, timeout=10)
-        assert early.status_code in (200, 503)  # 503 unless loading finished meanwhile
+        (listed,) = requests.get(f"{server.url}/models", timeout=30).json()["models"]
+        assert (listed["modelName"], listed["status"]) == (name, "PENDING")
+        early = requests.post(f"{server.url}/invocations", json={"inputs": "hi"}, timeout=30)
+        assert early.status_code == 503
+        gate.touch()
         server.wait_healthy()
-        healthy = requests.get(f"{server.url}/ping", timeout=5)
+        healthy = requests.get(f"{server.url}/ping", timeout=30)
         assert healthy.status_code == 200
-        assert healthy.json() == {tiny_model_dir.name: {"status": "Healthy"}}
+        assert healthy.json() == {name: {"status": "Healthy"}}
+        assert requests.post(f"{server.url}/invocations", json={}, timeout=30).json() == {
+            "loaded": True
+        }
     finally:
         assert server.stop() == 0
 
@@ -91,46 +149,50 @@ def test_start_up_log_names_engine_dtype_device_batching_and_source(tmp_path, ti
         assert fragment in log, fragment
 
 
-def test_engine_death_answers_waiting_clients_and_exits_nonzero(tmp_path, tiny_model_dir):
-    server = Server(tiny_folder(tmp_path, tiny_model_dir))
+def test_engine_death_answers_waiting_clients_and_exits_nonzero(tmp_path):
+    folder, _, inside = gated_folder(tmp_path, loaded=True)
+    server = Server(folder)
     server.wait_healthy()
     answers: list[requests.Response] = []
-    long_request = {
-        "inputs": "Hello",
-        "parameters": {"max_new_tokens": 4000, "ignore_eos_token": True},
-    }
 
     def ask():
-        answers.append(requests.post(f"{server.url}/invocations", json=long_request, timeout=60))
+        answers.append(requests.post(f"{server.url}/invocations", json={"hold": True}, timeout=120))
 
     client = threading.Thread(target=ask)
     client.start()
-    time.sleep(1.0)  # the request is inside the engine now
+    wait_until(inside.exists, "the request inside the engine")  # where it stays
+    server.ipc_dir()  # found while the server runs
     os.kill(server.engine_pid(), signal.SIGKILL)
     killed_at = time.monotonic()
-    client.join(timeout=15)
-    assert answers, "the waiting client got no answer"
-    assert time.monotonic() - killed_at < 10
-    assert answers[0].status_code == 503
-    assert "engine" in answers[0].json()["message"]
-    ping = requests.get(f"{server.url}/ping", timeout=5)
-    assert ping.status_code == 500
-    assert server.process.wait(timeout=30) == 1
+    # Looked at the moment it is written: the supervisor keeps it only a grace period.
+    wait_until(lambda: server.engine_state() == "failed", "engine marked failed", interval=0.001)
+    with server.supervisor_stopped():
+        client.join(timeout=120)
+        assert answers, "the waiting client got no answer"
+        # Answered by the failure, in seconds (option.predict_timeout, 120 s, would be a 424).
+        assert time.monotonic() - killed_at < 60
+        assert answers[0].status_code == 503
+        assert "engine" in answers[0].json()["message"]
+        ping = requests.get(f"{server.url}/ping", timeout=30)
+        assert ping.status_code == 500
+    assert server.process.wait(timeout=60) == 1
     assert server.stop() == 1
 
 
-def test_model_loading_timeout_fails_the_server(tmp_path, tiny_model_dir):
-    # Importing torch alone takes longer than a second.
-    server = Server(tiny_folder(tmp_path, tiny_model_dir, **{"option.model_loading_timeout": 1}))
-    deadline = time.monotonic() + 20
-    statuses = set()
-    while time.monotonic() < deadline and server.process.poll() is None:
-        try:
-            statuses.add(requests.get(f"{server.url}/ping", timeout=2).status_code)
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.1)
-    assert 500 in statuses
+def test_model_loading_timeout_fails_the_server(tmp_path):
+    # The model never loads: its gate stays shut.
+    folder, _, _ = gated_folder(tmp_path, loaded=False, **{"option.model_loading_timeout": 1})
+    server = Server(folder)
+    with server.supervisor_stopped():  # the front end answers before the load may time out
+        wait_until(server.ping_status, "the front end answering", timeout=120)
+    # Looked at the moment it is written: the supervisor keeps it only a grace period.
+    wait_until(lambda: server.engine_state() == "failed", "load timed out", interval=0.001)
+    with server.supervisor_stopped():
+        ping = requests.get(f"{server.url}/ping", timeout=30)
+        assert ping.status_code == 500
+        (status,) = ping.json().values()
+        assert "option.model_loading_timeout" in status["reason"]
+    assert server.process.wait(timeout=60) == 1
     assert server.stop() == 1
     assert "model_loading_timeout" in server.log()
 
@@ -157,21 +219,12 @@ def test_a_model_that_fails_to_load_says_why(tmp_path, tiny_model_dir):
     shutil.copytree(tiny_model_dir, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     server = Server(tiny_folder(tmp_path, broken))
-    reasons, statuses, descriptions = [], set(), 0
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and server.process.poll() is None:
-        try:
-            ping = requests.get(f"{server.url}/ping", timeout=2)
-            if ping.status_code == 500:
-                reasons.append(ping.json()[broken.name]["reason"])
-                statuses.add(ping.json()[broken.name]["status"])
-                described = requests.get(f"{server.url}/models/{broken.name}", timeout=2)
-                statuses.add(described.json()["status"])
-                descriptions += 1
-        except (requests.ConnectionError, requests.Timeout):
-            pass  # not up yet, or going away: a request caught in its shutdown gets no answer
-        time.sleep(0.1)
+    # The engine marks itself failed; the supervisor, stopped, cannot end the server meanwhile.
+    with server.supervisor_stopped():
+        ping = wait_until(lambda: ping_if(server, 500), "/ping saying it failed", timeout=180)
+        described = requests.get(f"{server.url}/models/{broken.name}", timeout=30).json()
+    assert server.process.wait(timeout=60) == 1
     assert server.stop() == 1
-    assert reasons and "model failed to load" in reasons[0]
-    assert descriptions > 0
-    assert statuses == {"FAILED"}  # DJL's word, on /ping and /models/<name> alike
+    assert "model failed to load" in ping[broken.name]["reason"]
+    # DJL's word, on /ping and /models/<name> alike
+    assert ping[broken.name]["status"] == described["status"] == "FAILED"
