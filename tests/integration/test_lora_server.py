@@ -160,9 +160,11 @@ def test_management_api_round_trip(server, reference, late_adapters):
     assert again.status_code == 409
 
     # Unregistered while a request uses it: that request finishes with it, new ones are refused.
+    # As long as the context allows, so that it still runs when it is seen running, however
+    # fast the machine (the deletion then happens while it runs).
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(generate, server, PROMPTS[1], "late", 150, stream=False)
-        _wait_until_running(server)
+        running = pool.submit(generate, server, PROMPTS[1], "late", 480, stream=False)
+        _wait_until_running(server, running)
         deleted = requests.delete(f"{adapters_url}/late", timeout=30)
         assert deleted.status_code == 200, deleted.text
         assert generate(server, PROMPTS[0], "late").status_code == 404
@@ -202,15 +204,17 @@ def test_an_adapter_that_cannot_be_served_is_refused_at_registration(server, mod
     assert "'big'" in message and "max_lora_rank=16" in message
 
 
-def _wait_until_running(server, timeout: float = 60.0) -> None:
+def _wait_until_running(server, request, timeout: float = 60.0) -> None:
+    """Until the engine runs a request (or `request`, a future, is already answered: then the
+    checks after it hold all the same). `timeout`: a hang guard."""
     model_url = f"{server.url}/models/{served_name(server)}"
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not request.done():
         stats = requests.get(model_url, timeout=30).json()["engine"]["stats"]
         if stats and stats.get("num_running", 0) > 0:
             return
-        time.sleep(0.05)
-    raise AssertionError("the request never started running")
+        time.sleep(0.02)
+    assert request.done(), "the request never started running"
 
 
 def adapter_metrics(server) -> dict[tuple[str, str], float]:
