@@ -132,8 +132,13 @@ class BlockManager:
             # Its own entry (taken from the cache, or registered by it), else an equal chain's.
             entry = self._cached.entry(block) or self._cached.find(digest, parent, tokens)
             if entry is None:
-                if self._cached.holds_digest(digest):
-                    return  # a collision: no exact key for this chain from here on
+                if not self._cached.is_live(parent):
+                    return  # the equal chain's entry it hung under was evicted: unreachable
+                holder = self._cached.holder(digest)
+                if holder is not None:
+                    if self._cached.is_live(holder.parent):
+                        return  # a collision: no exact key for this chain from here on
+                    self._uncache(holder.block)  # an orphan: no chain reaches it
                 entry = self._cached.add(block, digest, parent, tokens, chain.root)
             chain.numbers.append(parent := entry.number)
 
@@ -141,11 +146,15 @@ class BlockManager:
         """Drops the cached blocks computed through `adapter` (it was unregistered): free ones
         become plain free blocks, held ones are freed uncached when their holders finish."""
         for block in self._cached.blocks_of_adapter(adapter):
-            self._cached.remove(block)
-            if self._ref_counts[block] == 0:
-                del self._evictable[block]
-                self._state[block] = _AVAILABLE
-                self._num_uncached_free += 1
+            self._uncache(block)
+
+    def _uncache(self, block: int) -> None:
+        """The block leaves the table; free, it becomes a plain free block."""
+        self._cached.remove(block)
+        if self._ref_counts[block] == 0:
+            del self._evictable[block]
+            self._state[block] = _AVAILABLE
+            self._num_uncached_free += 1
 
     def _chain(self, request: Request) -> RequestChain:
         """The request's chain from its current root (a new root starts a new chain)."""

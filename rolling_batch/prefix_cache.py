@@ -9,20 +9,23 @@ A lookup goes by a digest of the chain, but a hit is exact: the entry found must
 tokens and hang under the same parent entry as the asking chain. Entries are numbered once,
 never reused, and a child names its parent by that number, so a hit at depth i proves the whole
 chain up to i equal, whatever the digests do (vLLM's CVE-2025-25183 was a prompt crafted to
-collide with another tenant's cached prefix under Python's hash). The digest itself starts
-from a random per-process seed, so collisions cannot be worked out ahead: a collision costs a
-cache miss, never a wrong answer. The check is one tuple comparison per hit.
+collide with another tenant's cached prefix under Python's hash). The digest is keyed BLAKE2b
+with a random per-process key, so collisions cannot be worked out ahead either, not even to
+keep another prompt out of the cache: one costs a miss, never a wrong answer. An entry whose
+parent was evicted (an orphan: no chain reaches it) gives its digest up to the next chain that
+needs it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
-from collections.abc import Hashable
+from array import array
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-_SEED = int.from_bytes(os.urandom(8), "little")
+_KEY = os.urandom(16)  # this process's: digests mean nothing outside it
 
 
 class CacheRoot(NamedTuple):
@@ -33,9 +36,15 @@ class CacheRoot(NamedTuple):
     salt: str | None  # the request's cache_salt
 
 
-def chain_digest(parent: Hashable, tokens: tuple[int, ...]) -> int:
+def chain_digest(parent: int, tokens: tuple[int, ...]) -> int:
     """The lookup key of a block: its tokens under its parent's key. Not trusted alone."""
-    return hash((parent, tokens))
+    data = parent.to_bytes(8, "little") + array("q", tokens).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=_KEY).digest(), "little")
+
+
+def root_digest(root: CacheRoot) -> int:
+    data = repr(tuple(root)).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=_KEY).digest(), "little")
 
 
 @dataclass(slots=True)
@@ -60,7 +69,7 @@ class RequestChain:
     def extend(self, token_ids: list[int], block_size: int, num_blocks: int) -> None:
         """Digests for the first `num_blocks` full blocks (a full block's tokens never change)."""
         digests = self.digests
-        parent = digests[-1] if digests else chain_digest(_SEED, self.root)
+        parent = digests[-1] if digests else root_digest(self.root)
         while len(digests) < num_blocks:
             start = len(digests) * block_size
             parent = chain_digest(parent, tuple(token_ids[start : start + block_size]))
@@ -71,6 +80,7 @@ class PrefixTable:
     def __init__(self):
         self._by_digest: dict[int, CachedBlock] = {}
         self._by_block: dict[int, CachedBlock] = {}
+        self._by_number: dict[int, CachedBlock] = {}
         self._numbers = itertools.count()
 
     def __len__(self) -> int:
@@ -89,23 +99,29 @@ class PrefixTable:
             return None
         return entry
 
-    def holds_digest(self, digest: int) -> bool:
-        return digest in self._by_digest
+    def holder(self, digest: int) -> CachedBlock | None:
+        return self._by_digest.get(digest)
+
+    def is_live(self, parent: int | CacheRoot) -> bool:
+        """Whether a chain can still reach entries under `parent` (a root always can)."""
+        return not isinstance(parent, int) or parent in self._by_number
 
     def add(self, block: int, digest: int, parent, tokens: tuple, root: CacheRoot) -> CachedBlock:
         entry = CachedBlock(block, next(self._numbers), parent, tokens, digest, root)
         self._by_digest[digest] = entry
         self._by_block[block] = entry
+        self._by_number[entry.number] = entry
         return entry
 
     def remove(self, block: int) -> None:
         entry = self._by_block.pop(block)
         del self._by_digest[entry.digest]
+        del self._by_number[entry.number]
 
     def blocks_of_adapter(self, adapter: str) -> list[int]:
         return [block for block, entry in self._by_block.items() if entry.root.adapter == adapter]
 
     def check_invariants(self) -> None:
-        assert len(self._by_digest) == len(self._by_block), "the two indexes disagree"
+        assert len(self._by_digest) == len(self._by_block) == len(self._by_number)
         assert all(self._by_digest[e.digest] is e for e in self._by_block.values())
         assert all(self._by_block[e.block] is e for e in self._by_digest.values())

@@ -302,3 +302,35 @@ def test_an_adapters_blocks_follow_its_weights_and_leave_with_it():
     assert computed_from_cache("base-after", None) == 4  # the base model's blocks stay
     assert sched.blocks.num_free == 64
     sched.check_invariants()
+
+
+def test_blocks_left_under_an_evicted_parent_give_their_place_up():
+    """B prefills beside A and hangs its later blocks under A's equal ones; A's are evicted
+    while B runs. B's later entries are then unreachable, and must not keep the next request
+    with B's prompt from caching its own: a third request finds all of them."""
+    blocks = BlockManager(10, 2, enable_prefix_caching=True)
+
+    def computed(request_id: str, tokens: list[int], reuse: bool = True) -> Request:
+        request = Request(request_id, tokens, GenerationParams(), 0.0)
+        if reuse:
+            blocks.reuse_cached_prefix(request)
+        blocks.grow(request, request.num_tokens)
+        request.num_computed_tokens = request.num_tokens
+        blocks.cache_full_blocks(request)
+        return request
+
+    a = computed("a", [1, 2, 3, 4, 9])
+    b = computed("b", [1, 2, 3, 4, 5, 6, 7, 8, 11], reuse=False)  # they prefilled together
+    blocks.free(a)
+    taker = Request("taker", [0] * 10, GenerationParams(), 0.0)
+    blocks.grow(taker, 10)  # every free block: A's cached ones evicted
+    blocks.check_invariants([b, taker])
+    blocks.free(taker)
+    blocks.free(b)
+    again = computed("again", list(b.prompt_ids))
+    assert again.block_ids and again.num_computed_tokens == 9
+    blocks.free(again)
+    probe = Request("probe", list(b.prompt_ids), GenerationParams(), 0.0)
+    blocks.reuse_cached_prefix(probe)
+    assert probe.num_computed_tokens == 8  # all four full blocks before the last token
+    blocks.check_invariants([probe])
