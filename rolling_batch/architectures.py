@@ -22,16 +22,19 @@ NATIVE_ARCHITECTURES = {
     "GemmaForCausalLM": "gemma:GemmaForCausalLM",
     "FalconForCausalLM": "falcon:FalconForCausalLM",
 }
-# GGUF's general.architecture -> the HF architecture transformers converts it to (of those it
-# converts: not the first Gemma's).
+# GGUF's general.architecture -> the HF architecture transformers converts it to, for the
+# families whose GGUF tensors lmserve also reads as codes (option.quantize takes them from the
+# file under Llama's names): Phi-3's fused and Falcon's tensors are not, so their GGUF files are
+# refused by name (their safetensors checkpoints are served).
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "falcon": "FalconForCausalLM",
 }
+# Rope scalings whose frequencies do not change with the sequence's length (the others,
+# "dynamic" and "longrope", are refused by name before anything starts).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 ALTERNATIVE = (
     "engine=Python with option.rolling_batch=disable serves any causal LM transformers loads"
     " (HF generate, dynamic batching)"
@@ -61,14 +64,26 @@ def architectures_of(path: Path) -> list[str]:
         return [GGUF_ARCHITECTURES.get(found, f"{found} (GGUF)")]
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []  # the loader says what is wrong with the folder
+    except (OSError, ValueError) as error:
+        raise UnservableModel(f"{path / 'config.json'}: unreadable ({error})") from None
+    if not isinstance(config, dict):
+        raise UnservableModel(f"{path / 'config.json'}: not a JSON object")
     names = config.get("architectures") or []
     if not names and config.get("model_type"):
         names = [f"{config['model_type']} (model_type)"]
-    # A variant the family module refuses is its own name here, refused before anything starts.
-    variant = " (alibi)" if config.get("alibi") else ""
-    return [f"{name}{variant}" for name in names]
+    # A variant the family modules refuse is its own name here, refused before anything starts.
+    variant = _refused_variant(config)
+    return [f"{name} ({variant})" if variant else str(name) for name in names]
+
+
+def _refused_variant(config: dict) -> str | None:
+    if config.get("alibi"):
+        return "alibi"
+    scaling = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope_type={rope_type}"
+    return None
 
 
 # GGUF value types: struct formats of the fixed-size ones, and the two others.
@@ -77,6 +92,7 @@ _GGUF_SCALARS = {
     **{10: "Q", 11: "q", 12: "d"},
 }
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
+_MAX_STRING = 1 << 20  # bytes: keys and architecture names are short
 
 
 def gguf_architecture(path: Path) -> str:
@@ -84,9 +100,11 @@ def gguf_architecture(path: Path) -> str:
     tensor's entry first: seconds for a model; this reads the key-values up to that one)."""
     try:
         with path.open("rb") as file:
-            magic, _version, _num_tensors, num_keys = struct.unpack("<4sIQQ", file.read(24))
+            magic, version, _num_tensors, num_keys = struct.unpack("<4sIQQ", file.read(24))
             if magic != b"GGUF":
                 raise UnservableModel(f"{path}: not a GGUF file")
+            if version not in (2, 3):  # version 1's counts are 32-bit: another layout
+                raise UnservableModel(f"{path}: GGUF version {version}; lmserve reads 2 and 3")
             for _ in range(num_keys):
                 key = _read_string(file)
                 (kind,) = struct.unpack("<I", file.read(4))
@@ -100,6 +118,8 @@ def gguf_architecture(path: Path) -> str:
 
 def _read_string(file) -> str:
     (length,) = struct.unpack("<Q", file.read(8))
+    if length > _MAX_STRING:  # a corrupt header: never allocate what it says
+        raise UnservableModel(f"{file.name}: a GGUF header string of {length} bytes")
     return file.read(length).decode("utf-8", errors="replace")
 
 

@@ -13,8 +13,10 @@ from torch import nn
 
 from lmserve.kernels import cpu_native
 
+from ..architectures import STATIC_ROPE_TYPES
+
 # Static frequency schemes. "dynamic" and "longrope" change with the sequence length.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+SUPPORTED_ROPE_TYPES = STATIC_ROPE_TYPES
 
 
 class RMSNorm(nn.Module):

@@ -440,20 +440,35 @@ def test_an_hf_model_the_rolling_batch_cannot_run_is_refused_at_start_up(tmp_pat
     assert python.path == model_dir
 
 
-def test_a_truncated_gguf_is_refused_naming_the_file(tmp_path):
+def test_a_truncated_or_corrupt_gguf_is_refused_naming_the_file(tmp_path):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     gguf = gguf_header(model_dir / "model.gguf", "llama")
-    gguf.write_bytes(gguf.read_bytes()[:40])
+    whole = gguf.read_bytes()
+    gguf.write_bytes(whole[:40])
     with pytest.raises(ModelStoreError, match="model.gguf: unreadable GGUF header"):
         resolve_as_the_cli_does(model_dir, tmp_path / "cache")
-
-
-def test_a_falcon_with_alibi_is_refused_by_name(tmp_path):
-    model_dir = fake_hf_dir(tmp_path / "model")
-    config = '{"architectures": ["FalconForCausalLM"], "alibi": true}'
-    (model_dir / "config.json").write_text(config)
-    with pytest.raises(ModelStoreError, match=r"architecture FalconForCausalLM \(alibi\)"):
+    # A key's length of 2^62 bytes: refused, never allocated.
+    gguf.write_bytes(whole[:24] + (1 << 62).to_bytes(8, "little") + whole[32:])
+    with pytest.raises(ModelStoreError, match="a GGUF header string of"):
         resolve_as_the_cli_does(model_dir, tmp_path / "cache")
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ('{"architectures": ["FalconForCausalLM"], "alibi": true}', "FalconForCausalLM (alibi)"),
+        (  # Phi-3-mini-128k's scaling, in the older config key
+            '{"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "longrope"}}',
+            "Phi3ForCausalLM (rope_type=longrope)",
+        ),
+    ],
+)
+def test_a_variant_the_family_cannot_run_is_refused_by_name(tmp_path, config, named):
+    model_dir = fake_hf_dir(tmp_path / "model")
+    (model_dir / "config.json").write_text(config)
+    with pytest.raises(ModelStoreError) as refused:
+        resolve_as_the_cli_does(model_dir, tmp_path / "cache")
+    assert f"architecture {named}: the rolling batch" in str(refused.value)
     (model_dir / "config.json").write_text('{"architectures": ["FalconForCausalLM"]}')
     assert resolve_as_the_cli_does(model_dir, tmp_path / "cache").path == model_dir
