@@ -139,7 +139,11 @@ class LoraManager:
         if len(names) > len(self.slots):
             raise ValueError(f"{len(names)} adapters in one step; max_loras={len(self.slots)}")
         placed = {name: self.slots.index(name) for name in names if name in self.slots}
-        free = [slot for slot, held in enumerate(self.slots) if held not in placed]
+        # Empty slots first: an adapter another running request uses keeps its slot if it can.
+        free = sorted(
+            (slot for slot, held in enumerate(self.slots) if held not in placed),
+            key=lambda slot: (self.slots[slot] is not None, slot),
+        )
         for name in names:
             if name not in placed:
                 placed[name] = slot = free.pop(0)
@@ -147,6 +151,7 @@ class LoraManager:
         return placed
 
     def _install(self, slot: int, name: str) -> None:
+        self.slots[slot] = None  # emptied first: a read that fails leaves no name on it
         adapter = self.adapter(name)
         for lora in self._linears:
             lora.clear(slot)

@@ -165,6 +165,7 @@ def test_management_api_round_trip(server, reference, late_adapters):
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(generate, server, PROMPTS[1], "late", 480, stream=False)
         _wait_until_running(server, running)
+        assert not running.done(), "480 steps ended before the engine was seen running them"
         deleted = requests.delete(f"{adapters_url}/late", timeout=30)
         assert deleted.status_code == 200, deleted.text
         assert generate(server, PROMPTS[0], "late").status_code == 404
