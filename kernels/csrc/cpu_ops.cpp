@@ -2197,20 +2197,23 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 }
 
 // torch's CPU int4 packing (_convert_weight_to_int4pack_for_cpu, inner_k_tiles 1) holds the
-// codes of 64 outputs at a time: for block b and input k, 32 bytes whose low nibbles are
-// outputs 64b + j and high nibbles 64b + 32 + j (read off the packing itself; the int4 tests
-// check it against the kernel). Scales and zeros [in / group, out, 2] in bf16, as that kernel
-// reads them: w = (code - 8) * scale + zero.
-constexpr int64_t kInt4Block = 64;
+// codes of B outputs at a time, B = 64 where torch runs its AVX-512 code and 32 elsewhere (an
+// AVX2-only CPU): for block b and input k, B / 2 bytes whose low nibbles are outputs B b + j
+// and high nibbles B b + B / 2 + j (read off the packing itself, layers/quantized.py's
+// torch_int4_block; the int4 tests check it against the kernel). Scales and zeros
+// [in / group, out, 2] in bf16, as that kernel reads them: w = (code - 8) * scale + zero.
+constexpr int64_t kInt4Block = 64;  // the largest B
 
 // Widened to [in, out] in the dtype of `like`: bf16 (for oneDNN's bf16 matmul where the CPU has
 // it) or fp32 (where bf16 would be emulated).
 at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales_and_zeros,
-                           int64_t group_size, const at::Tensor& like) {
+                           int64_t group_size, const at::Tensor& like, int64_t block) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
               "packed must be torch's contiguous uint8 int4 packing [out, in / 2]");
+  // torch packs blocks of 64 outputs where it runs AVX-512 code, of 32 elsewhere (AVX2).
+  TORCH_CHECK(block == 32 || block == kInt4Block, "torch packs int4 in blocks of 32 or 64");
   const int64_t out_features = packed.size(0), in = packed.size(1) * 2;
-  TORCH_CHECK(out_features % kInt4Block == 0, "the packing holds outputs in blocks of 64");
+  TORCH_CHECK(out_features % block == 0, "the packing holds outputs in whole blocks");
   TORCH_CHECK(group_size > 0 && in % group_size == 0, "in must be a multiple of group_size");
   TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 &&
                   scales_and_zeros.is_contiguous() && scales_and_zeros.dim() == 3 &&
@@ -2224,22 +2227,24 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales_an
     const uint8_t* codes = packed.data_ptr<uint8_t>();
     const at::BFloat16* sz = scales_and_zeros.data_ptr<at::BFloat16>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    const int64_t blocks = out_features / kInt4Block;
+    const int64_t blocks = out_features / block, half = block / 2;
     at::parallel_for(0, in, 16, [&](int64_t begin, int64_t end) {
       float scale[kInt4Block], zero[kInt4Block];
       for (int64_t k = begin; k < end; ++k) {
         const at::BFloat16* group = sz + (k / group_size) * out_features * 2;
         scalar_t* row = o + k * out_features;
         for (int64_t b = 0; b < blocks; ++b) {
-          const int64_t n0 = b * kInt4Block;
-          for (int64_t j = 0; j < kInt4Block; ++j) {
+          const int64_t n0 = b * block;
+          for (int64_t j = 0; j < block; ++j) {
             scale[j] = static_cast<float>(group[(n0 + j) * 2]);
             zero[j] = static_cast<float>(group[(n0 + j) * 2 + 1]) - 8.f * scale[j];
           }
-          const uint8_t* bytes = codes + (b * in + k) * (kInt4Block / 2);
-          for (int64_t j = 0; j < kInt4Block / 2; ++j) {
+          // Input k's byte j of a block: output n0 + j in its low half, n0 + j + half high.
+          const uint8_t* bytes = codes + (b * in + k) * half;
+          for (int64_t j = 0; j < half; ++j) {
             row[n0 + j] = static_cast<float>(bytes[j] & 15) * scale[j] + zero[j];
-            row[n0 + j + 32] = static_cast<float>(bytes[j] >> 4) * scale[j + 32] + zero[j + 32];
+            row[n0 + j + half] =
+                static_cast<float>(bytes[j] >> 4) * scale[j + half] + zero[j + half];
           }
         }
       }

@@ -30,6 +30,7 @@ the C++ kernels, dense matmuls run on blocks dequantized in turn.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Protocol
 
@@ -39,7 +40,7 @@ from lmserve.kernels import cpu_native
 
 GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 block, and what option.quantize makes
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernel takes (checkpoints bring theirs)
-# The packing wants output features in multiples of 16, and lays out blocks of 64 outputs
+# The packing wants output features in multiples of 16, and lays out blocks of 64 or 32 outputs
 # (a partial last block differently), which int4_dequantize reads: whole blocks only.
 _ROW_MULTIPLE = 64
 _SCALE_DTYPE = torch.bfloat16  # the kernel reads scales and zeros in the activations' dtype
@@ -99,7 +100,8 @@ class Int4Weight:
         if widen_to is not None:
             # A big step: the whole weight widened for one dense matmul.
             parts = (self.packed, self.scales_and_zeros, self.group_size)
-            dense = native.int4_dequantize(*parts, x.new_empty(0, dtype=widen_to))
+            like = x.new_empty(0, dtype=widen_to)
+            dense = native.int4_dequantize(*parts, like, torch_int4_block())
             out = torch.matmul(x.to(widen_to), dense)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -262,3 +264,14 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
     return t if pad == 0 else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+
+
+@functools.cache
+def torch_int4_block() -> int:
+    """The outputs a block of torch's CPU int4 packing holds here: 64 where torch runs its
+    AVX-512 code, 32 on an AVX2-only CPU. Read off the packing of one code at output 32: the
+    high half of the first byte in a block of 64, the second block's first byte otherwise."""
+    codes = torch.zeros(64, 64, dtype=torch.int32)
+    codes[32, 0] = 1
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).reshape(-1)
+    return 64 if int(packed[0]) == 0x10 else 32

@@ -12,7 +12,12 @@ from lmserve.kernels import cpu_native
 from lmserve.kernels.kv_store import store_kv_reference
 from lmserve.kernels.paged_attention import paged_attention_reference
 from lmserve.rolling_batch.layers.norm_and_rotary import RMSNorm, StepRope
-from lmserve.rolling_batch.layers.quantized import Int4Weight, dequantize_int4, quantize_int4
+from lmserve.rolling_batch.layers.quantized import (
+    Int4Weight,
+    dequantize_int4,
+    quantize_int4,
+    torch_int4_block,
+)
 
 from ..conftest import TEST_CACHE_DIR
 from .paged_cases import make_case, share_leading_blocks
@@ -428,14 +433,16 @@ def test_int8_linear_refuses_inputs_no_multiple_of_32(native):
 
 @pytest.mark.parametrize(("out_features", "group_size"), [(64, 32), (200, 64), (128, 128)])
 def test_int4_dequantize_widens_torchs_int4_packing(native, out_features, group_size):
-    """The codes in torch's CPU int4 packing (outputs padded to whole blocks of 64: 200 -> 256),
+    """The codes in torch's CPU int4 packing (outputs padded to whole blocks of 64: 200 -> 256;
+    blocks of 64 where torch runs AVX-512 code, of 32 on AVX2: torch_int4_block),
     widened to [in, out]: the weight the int4 kernel multiplies by, in fp32 (computed as
     q s + (z - 8 s): within two roundings of (q - 8) s + z) or rounded to bf16."""
     generator = torch.Generator().manual_seed(out_features)
     weight = torch.randn(out_features, 256, generator=generator)
     codes, scales, zeros = quantize_int4(weight, group_size)
     int4 = Int4Weight(codes, scales, zeros, group_size=group_size)
-    fp32 = native.int4_dequantize(int4.packed, int4.scales_and_zeros, group_size, torch.zeros(0))
+    parts = (int4.packed, int4.scales_and_zeros, group_size)
+    fp32 = native.int4_dequantize(*parts, torch.zeros(0), torch_int4_block())
     padded = int4.packed.shape[0]
     assert fp32.dtype == torch.float32 and fp32.shape == (256, padded)
     expected = dequantize_int4(codes, scales, zeros, group_size)
@@ -443,7 +450,7 @@ def test_int4_dequantize_widens_torchs_int4_packing(native, out_features, group_
     assert bool(((fp32[:, :out_features] - expected.T).abs() <= terms.T * 2**-22).all())
     assert not fp32[:, out_features:].any()  # padding rows: scale 0, zero 0
     like = torch.zeros(0, dtype=torch.bfloat16)
-    got = native.int4_dequantize(int4.packed, int4.scales_and_zeros, group_size, like)
+    got = native.int4_dequantize(*parts, like, torch_int4_block())
     assert got.dtype == torch.bfloat16 and torch.equal(got, fp32.bfloat16())
     # The int4 kernel multiplies by the same weight (its products then round to bf16).
     x = torch.eye(256, dtype=torch.bfloat16)
