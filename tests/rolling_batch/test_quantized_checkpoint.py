@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from lmserve.kernels import cpu_native
 from lmserve.rolling_batch import LLM
 from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
 from lmserve.rolling_batch.layers import quantized
@@ -210,9 +211,14 @@ def test_greedy_tokens_match_hf_at_one_and_two_ranks(name, ranks, base_dir, tmp_
     ) as llm:  # fmt: skip
         results = llm.generate(prompts, max_new_tokens=16)
         prompt_ids = [llm.tokenizer(p)["input_ids"] for p in prompts]
+    # The reference rounds as the int4 kernel does (bf16 activations and products). Without
+    # native bf16 (AVX2), steps of 64 rows or more widen the weight to fp32 instead and skip
+    # those roundings (quantized._int4_dense_dtype): logits then differ by up to bf16's 2^-9 of
+    # their size, so a top-2 gap below 1e-2 is a tie there.
+    near_tie = 1e-3 if cpu_native.cpu_has_native_bf16() else 1e-2
     for result, ids in zip(results, prompt_ids):
         expected, logits = hf_greedy_alone(reference, ids, 16)
-        assert_same_or_near_tie(result.token_ids, expected, logits, near_tie=1e-3)
+        assert_same_or_near_tie(result.token_ids, expected, logits, near_tie=near_tie)
 
 
 def test_linears_the_checkpoint_leaves_dense_stay_dense(base_dir, tmp_path):
