@@ -201,19 +201,28 @@ def test_cached_blocks_are_evicted_least_recently_used_first():
         assert probe.num_computed_tokens == 0
 
 
-def test_blocks_are_shared_only_through_the_same_adapter():
-    """The same tokens through another LoRA adapter (or none) have other K/V: no reuse across
-    adapters, reuse within one."""
+@pytest.mark.parametrize(
+    ("field", "first", "cases"),
+    [
+        ("adapter", "sql", (("base", None, 0), ("other", "chat", 0), ("same", "sql", 4))),
+        (
+            "cache_salt",
+            "tenant-a",
+            (("unsalted", None, 0), ("other", "tenant-b", 0), ("same", "tenant-a", 4)),
+        ),
+    ],
+)
+def test_blocks_are_shared_only_under_the_same_adapter_and_salt(field, first, cases):
+    """The same tokens through another LoRA adapter (or none) have other K/V, and a
+    cache_salt keeps tenants apart: reuse only within one adapter and one salt."""
     prompt = list(range(10, 10 + 4 * BLOCK + 2))
     sched = scheduler(64, caching=True)
-    first = GenerationParams(max_new_tokens=1, adapter="sql")
-    run_with_cache(sched, [Request("a", prompt, first, 0.0)])
-    cases = (("base", None, 0), ("other", "chat", 0), ("same", "sql", 4))
-    for request_id, adapter, reused in cases:
-        params = GenerationParams(max_new_tokens=1, adapter=adapter)
+    run_with_cache(sched, [Request("a", prompt, GenerationParams(1, **{field: first}), 0.0)])
+    for request_id, value, reused in cases:
+        params = GenerationParams(max_new_tokens=1, **{field: value})
         sched.add(Request(request_id, prompt, params, 1.0))
         (chunk,) = sched.schedule().chunks
-        assert chunk.num_computed == reused * BLOCK, adapter
+        assert chunk.num_computed == reused * BLOCK, value
         sched.abort(request_id)
 
 
@@ -255,20 +264,6 @@ def test_a_collision_in_the_parent_chain_is_no_hit(monkeypatch):
     blocks.reuse_cached_prefix(probe)
     assert probe.num_computed_tokens == BLOCK  # "b"'s first block, and no more
     blocks.check_invariants([probe])
-
-
-def test_cache_salt_keeps_tenants_apart():
-    prompt = list(range(10, 10 + 4 * BLOCK + 2))
-    sched = scheduler(64, caching=True)
-    salted = GenerationParams(max_new_tokens=1, cache_salt="tenant-a")
-    run_with_cache(sched, [Request("a", prompt, salted, 0.0)])
-    cases = (("unsalted", None, 0), ("other", "tenant-b", 0), ("same", "tenant-a", 4))
-    for request_id, salt, reused in cases:
-        params = GenerationParams(max_new_tokens=1, cache_salt=salt)
-        sched.add(Request(request_id, prompt, params, 1.0))
-        (chunk,) = sched.schedule().chunks
-        assert chunk.num_computed == reused * BLOCK, salt
-        sched.abort(request_id)
 
 
 def test_an_adapters_blocks_follow_its_weights_and_leave_with_it():
