@@ -193,7 +193,8 @@ def replay_seconds(
                 c.computed,
                 blocks[i],
                 c.needs_logits,
-                argmax_only=c.argmax_only,
+                # As the scheduler does: argmax-only chunks where this CPU built a greedy head.
+                argmax_only=c.argmax_only and runner.argmax_head,
             )
             for i, c in enumerate(step.chunks)
         ]

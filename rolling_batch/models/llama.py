@@ -217,7 +217,11 @@ class LlamaForCausalLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each row's greedy token, the argmax of its fp32 logits, through the GreedyHead; the
-        fp32 logits only for the rows it leaves (not finite)."""
+        fp32 logits only for the rows it leaves (not finite), or for every row on a CPU that
+        built no head (an `argmax_only` chunk is still answered there)."""
+        if self.greedy_head is None:
+            left = torch.full((len(hidden),), -1, dtype=torch.long, device=hidden.device)
+            return self._complete_greedy(hidden, left)
         return self._complete_greedy(hidden, self.greedy_head(hidden))
 
     def forward_greedy(self, input_ids, positions, kv_caches, meta):
