@@ -18,7 +18,6 @@ from lmserve.properties.config import (
     describe,
     load_config,
 )
-from lmserve.rolling_batch.architectures import architectures_of, native_class
 from lmserve.rolling_batch.gguf_convert import GGUFError
 from lmserve.rolling_batch.lora_adapters import ADAPTERS_DIR, adapters_dir
 from lmserve.rolling_batch.runtime import Runtime
@@ -90,9 +89,8 @@ def serve(args: argparse.Namespace) -> int:
     if entry is not None and served is None:
         raise ConfigError([f"option.entryPoint={entry.name!r} needs a model dir (--model-dir)"])
     model = resolve_model(config, model_dir, default_cache_dir())
-    if config.engine == "MPI":  # resolve_model refused what the rolling batch cannot run
-        architecture, location = native_class(architectures_of(model.path))
-        log.info("model architecture %s: the rolling batch's native %s", architecture, location)
+    if model.serving is not None:  # resolve_model refused what the rolling batch cannot run
+        log.info("%s", model.serving.describe())
     if served is not None and config.install_requirements:
         _add_requirements(served)
     port = args.port if args.port is not None else config.port

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lmserve.handlers.user_code import DEFAULT_ENTRY_POINT, defines_handle, find_entry_point
 from lmserve.properties.config import PROPERTIES_FILE, ServingConfig
-from lmserve.rolling_batch.architectures import native_class
+from lmserve.rolling_batch.architectures import EngineRequest, ServingPath, serving_path
 from lmserve.rolling_batch.gguf_convert import EMBEDDED_NAME, embedded_gguf
 from lmserve.rolling_batch.model_source import (
     ArchitectureCheck,
@@ -41,6 +41,7 @@ class ResolvedModel:
     path: Path  # a local HF directory (config.json, weights, tokenizer) or a handler's folder
     name: str
     source: str  # what the user asked for, for logs and /models
+    serving: ServingPath | None = None  # engine=MPI: native module or generic path
 
 
 def served_model_dir(model_dir: Path | None) -> Path | None:
@@ -68,13 +69,27 @@ def resolve_model(config: ServingConfig, model_dir: Path | None, cache_dir: Path
         return ResolvedModel(folder, folder.name, str(folder))
     # engine=MPI: a model the rolling batch cannot run stops start-up here, before any
     # conversion or rank (the message names the alternative).
-    check = native_class if config.engine == "MPI" else None
+    decided: list[ServingPath] = []
+    check = None
+    if config.engine == "MPI":
+        wanted = EngineRequest(
+            max_model_len=config.max_model_len,
+            tensor_parallel_degree=config.tensor_parallel_degree,
+            trust_remote_code=config.trust_remote_code,
+            quantize=config.quantize,
+            enable_lora=config.enable_lora,
+        )
+
+        def check(path: Path) -> None:
+            decided.append(serving_path(path, wanted))
+
     if config.model_id is None:
-        return _from_model_dir(model_dir, cache_dir, check)
-    model = _from_model_id(config, folder, cache_dir, check)
-    if folder != model_dir:  # DJL names a model store's model after its folder
-        return replace(model, name=folder.name)
-    return model
+        model = _from_model_dir(model_dir, cache_dir, check)
+    else:
+        model = _from_model_id(config, folder, cache_dir, check)
+        if folder != model_dir:  # DJL names a model store's model after its folder
+            model = replace(model, name=folder.name)
+    return replace(model, serving=decided[-1] if decided else None)
 
 
 def _from_model_id(
@@ -100,7 +115,7 @@ def _from_model_dir(
     model_dir: Path | None, cache_dir: Path, check: ArchitectureCheck | None
 ) -> ResolvedModel:
     if model_dir is None:
-        return _embedded(cache_dir)
+        return _embedded(cache_dir, check)
     if not model_dir.is_dir():
         # Only a model dir given explicitly gets here (the default one is used only if it
         # exists); serving the embedded model for a typo would be a silent wrong answer.
@@ -127,12 +142,12 @@ def _from_model_dir(
             " weights, a .gguf file, or one subfolder holding a model), and no option.model_id"
             " or HF_MODEL_ID names one"
         )
-    return _embedded(cache_dir)  # nothing but configuration: no model configured at all
+    return _embedded(cache_dir, check)  # nothing but configuration: no model configured at all
 
 
-def _embedded(cache_dir: Path) -> ResolvedModel:
+def _embedded(cache_dir: Path, check: ArchitectureCheck | None) -> ResolvedModel:
     gguf = embedded_gguf()
-    return ResolvedModel(as_hf_dir(gguf, cache_dir), EMBEDDED_NAME, f"embedded {gguf.name}")
+    return ResolvedModel(as_hf_dir(gguf, cache_dir, check), EMBEDDED_NAME, f"embedded {gguf.name}")
 
 
 def _is_model_folder(folder: Path) -> bool:

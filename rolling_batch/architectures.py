@@ -3,13 +3,19 @@ front end refuses a model the engine could not load before it converts, loads or
 anything, with the architecture named and the alternative.
 
 A model's architecture comes from its config.json (`architectures`, else `model_type`), or for
-a GGUF file from its header's `general.architecture`, read without loading the file.
+a GGUF file from its header's `general.architecture`, read without loading the file. A family
+with a module of its own under rolling_batch/models/ is served natively; any other decoder-only
+model transformers ships goes the generic path (models/generic.py), which the front end asks
+about in a child process (transformers imports torch; the front end stays without it).
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 # HF architecture name -> "module:class" under rolling_batch/models/ that serves it natively.
@@ -45,16 +51,84 @@ class UnservableModel(ValueError):
     """A model the rolling batch cannot run; the message names why and the alternative."""
 
 
-def native_class(architectures: list[str]) -> tuple[str, str]:
-    """(the first architecture served natively, its "module:class"), or UnservableModel."""
+def native_class(architectures: list[str]) -> tuple[str, str] | None:
+    """(the first architecture served natively, its "module:class"), or None."""
     for name in architectures:
         if name in NATIVE_ARCHITECTURES:
             return name, NATIVE_ARCHITECTURES[name]
-    named = ", ".join(architectures) or "none named"
-    supported = ", ".join(sorted(NATIVE_ARCHITECTURES))
-    raise UnservableModel(
-        f"architecture {named}: the rolling batch (engine=MPI) serves {supported}; {ALTERNATIVE}"
-    )
+    return None
+
+
+@dataclass(frozen=True)
+class ServingPath:
+    """How the rolling batch runs a model, decided before anything starts."""
+
+    architecture: str
+    native: str | None  # "module:class" under rolling_batch/models/; None: the generic path
+
+    def describe(self) -> str:
+        if self.native is not None:
+            return (
+                f"model architecture {self.architecture}: the rolling batch's native {self.native}"
+            )
+        return (
+            f"model architecture {self.architecture}: the rolling batch's generic path (the"
+            " model's transformers modules over lmserve's paged attention; no native module)"
+        )
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """The settings that decide whether a path can serve a model (the serving.properties')."""
+
+    max_model_len: int | None = None
+    tensor_parallel_degree: int = 1
+    trust_remote_code: bool = False
+    quantize: str | None = None
+    enable_lora: bool = False
+
+
+def serving_path(path: Path, wanted: EngineRequest = EngineRequest()) -> ServingPath:
+    """The path that serves the model at `path` (an HF directory or a .gguf file) with the
+    settings in `wanted`, or UnservableModel naming the architecture, why, and the alternative."""
+    names = architectures_of(path)
+    native = native_class(names)
+    if native is not None:
+        return ServingPath(*native)
+    named = ", ".join(names) or "none named"
+    if path.suffix == ".gguf" or any(name.endswith(")") for name in names):
+        # A GGUF of another family, or a variant the native modules refuse ("(alibi)").
+        supported = ", ".join(sorted(NATIVE_ARCHITECTURES))
+        raise UnservableModel(
+            f"architecture {named}: the rolling batch (engine=MPI) serves {supported} natively"
+            f" and other HF checkpoints (not GGUF files) on its generic path; {ALTERNATIVE}"
+        )
+    refusal = _generic_refusal(path, wanted)
+    if refusal is None and wanted.quantize is not None:
+        refusal = f"option.quantize={wanted.quantize} is served on the native families only"
+    if refusal is None and wanted.enable_lora:
+        refusal = "option.enable_lora is served on the native families only"
+    if refusal is not None:
+        raise UnservableModel(f"architecture {named} (generic path): {refusal}; {ALTERNATIVE}")
+    return ServingPath(names[0] if names else "unnamed", None)
+
+
+def _generic_refusal(path: Path, wanted: EngineRequest) -> str | None:
+    args = [
+        sys.executable,
+        "-m",
+        "lmserve.rolling_batch.models.generic",
+        str(path),
+        str(wanted.max_model_len or "none"),
+        str(wanted.tensor_parallel_degree),
+        "1" if wanted.trust_remote_code else "0",
+    ]
+    done = subprocess.run(args, capture_output=True, text=True, check=False)
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])["refusal"]
+    except (IndexError, ValueError, KeyError):
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"transformers could not inspect it ({tail})"
 
 
 def architectures_of(path: Path) -> list[str]:

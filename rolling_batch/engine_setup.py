@@ -82,18 +82,22 @@ def build_runner(
         checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
     dtype = resolve_dtype(options.dtype, checkpoint_dtype, device.type)
     max_model_len = context_length(hf_config.to_dict(), options.max_model_len)
-    model = load_model(model_path, hf_config, dtype, device, group, max_model_len, options.quantize)
+    model = load_model(
+        model_path,
+        hf_config,
+        dtype,
+        device,
+        group,
+        max_model_len,
+        options.quantize,
+        options.trust_remote_code,
+    )
     lora = None
     if options.enable_lora:
         lora = _lora_manager(model_path, options, model, hf_config, dtype)
 
     block_size = options.block_size if options.paged_attention else max_model_len
-    # This rank's KV heads as the model's attention holds them: each family names and counts
-    # them in its config its own way (Falcon: multi_query, num_kv_heads).
-    attention = model.model.layers[0].self_attn
-    shape = kv_cache.CacheShape(
-        len(model.model.layers), attention.heads.num_kv, attention.head_dim, block_size, dtype
-    )
+    shape = kv_cache.CacheShape(*model.kv_layout(), block_size, dtype)
     budget = kv_cache.memory_budget(
         device, options.gpu_memory_utilization, options.cpu_kv_cache_fraction, ranks_here
     )

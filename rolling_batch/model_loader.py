@@ -16,6 +16,7 @@ from .gguf_weights import read_int4_linears, read_int8_matrices, with_file_codes
 from .layers.parallel import TensorParallelGroup
 from .layers.quantized import GROUP_SIZE
 from .models import model_class_for
+from .models.generic import GenericCausalLM
 from .quantized_checkpoint import quantized_linears, read_quantization, unpack_int4
 
 log = logging.getLogger(__name__)
@@ -80,12 +81,19 @@ def load_model(
     group: TensorParallelGroup,
     max_model_len: int,
     quantize: str | None = None,
+    trust_remote_code: bool = False,
 ):
     """`quantize`: option.quantize, None for the checkpoint's own weights (dense, or int4 codes
     when config.json has an AWQ or GPTQ `quantization_config`)."""
+    model_class = model_class_for(hf_config)
+    if model_class is None:  # no native module: the model's own transformers modules
+        if quantize is not None or read_quantization(hf_config, None) is not None:
+            raise ValueError("quantized weights are served on the native families only")
+        return GenericCausalLM.from_pretrained(
+            model_path, dtype, device, max_model_len, group.world_size, trust_remote_code
+        )
     checkpoint = read_quantization(hf_config, quantize)
     method = checkpoint.method if checkpoint is not None else quantize
-    model_class = model_class_for(hf_config)
     # Parameters are created in the serving dtype; rotary tables stay fp32 (built explicitly so).
     with _default_dtype(dtype):
         model = model_class(hf_config, group, max_model_len)

@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from .architectures import UnservableModel, architectures_of
+from .architectures import UnservableModel
 from .gguf_convert import convert_gguf_once, embedded_gguf
 
-ArchitectureCheck = Callable[[list[str]], object]
+# Sees the model (an HF directory or a .gguf file) before any conversion: architectures.py's
+# serving_path, which raises UnservableModel for a model the engine cannot run.
+ArchitectureCheck = Callable[[Path], object]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -30,8 +32,8 @@ def holds_model_files(folder: Path) -> bool:
 
 def as_hf_dir(path: Path, cache_dir: Path, check: ArchitectureCheck | None = None) -> Path:
     """An HF directory as is; a .gguf file, or a folder holding only one, converted once.
-    `check` sees the model's architectures first (before any conversion) and raises
-    UnservableModel for one the engine cannot run (a ModelSourceError here)."""
+    `check` sees the model first (before any conversion) and raises UnservableModel for one
+    the engine cannot run (a ModelSourceError here)."""
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelSourceError(f"{path}: expected a model directory or a .gguf file")
@@ -60,7 +62,7 @@ def _check(check: ArchitectureCheck | None, path: Path) -> None:
     if check is None:
         return
     try:
-        check(architectures_of(path))
+        check(path)
     except UnservableModel as error:
         raise ModelSourceError(str(error)) from None
 

@@ -205,6 +205,13 @@ class LlamaForCausalLM(nn.Module):
         """What the model computes in (quantized weights hold other types)."""
         return self.model.norm.weight.dtype
 
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(layers, this rank's KV heads, head_dim) of the paged cache, as the attention holds
+        them: each family names and counts them in its config its own way (Falcon:
+        multi_query, num_kv_heads)."""
+        attention = self.model.layers[0].self_attn
+        return len(self.model.layers), attention.heads.num_kv, attention.head_dim
+
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 

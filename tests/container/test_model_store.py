@@ -428,11 +428,12 @@ def test_a_gguf_the_rolling_batch_cannot_run_is_refused_before_conversion(tmp_pa
 
 def test_an_hf_model_the_rolling_batch_cannot_run_is_refused_at_start_up(tmp_path, caplog):
     model_dir = fake_hf_dir(tmp_path / "model")
-    (model_dir / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    config = '{"architectures": ["T5ForConditionalGeneration"], "model_type": "t5"}'
+    (model_dir / "config.json").write_text(config)
     with pytest.raises(SystemExit) as exited:
         main(["serve", "--model-dir", str(model_dir)])
     assert exited.value.code == 2
-    assert "architecture GPT2LMHeadModel: the rolling batch (engine=MPI) serves" in caplog.text
+    assert "T5ForConditionalGeneration is an encoder-decoder model" in caplog.text
     # engine=Python serves it through transformers: nothing to refuse there.
     python = resolve_as_the_cli_does(
         model_dir, tmp_path / "cache", OPTION_ENGINE="Python", OPTION_ROLLING_BATCH="disable"

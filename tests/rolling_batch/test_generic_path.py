@@ -1,0 +1,220 @@
+"""The generic path (rolling_batch/models/generic.py): families with no native module run as
+their own transformers modules over lmserve's paged attention, giving HF's logits and greedy
+tokens; what it cannot run is refused before anything starts, naming why and the alternative."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from lmserve.rolling_batch import LLM
+from lmserve.rolling_batch.architectures import (
+    EngineRequest,
+    ServingPath,
+    UnservableModel,
+    serving_path,
+)
+from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
+from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.models.generic import GenericCausalLM
+from lmserve.rolling_batch.step import SequenceChunk
+
+from ..conftest import TEST_CACHE_DIR
+from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
+
+COMMON = dict(
+    vocab_size=300,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    max_position_embeddings=128,
+)
+# Families with no native module, each with what sets it apart from Llama.
+FAMILIES = {
+    # Parallel residual, partial rotary, fused interleaved QKV.
+    "gpt-neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5)),
+    # q/k norms over all heads, norms after attention and MLP.
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(num_key_value_heads=2)),
+    # Embedding, residual and attention multipliers, logits divided by logits_scaling.
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.3,
+            logits_scaling=4.0,
+        ),
+    ),
+    # Biased LayerNorms and projections, plain GELU MLP.
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_key_value_heads=2)),
+    # Parallel attention and MLP, logits multiplied by logit_scale.
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=2, logit_scale=0.5)),
+    # Mixture of experts: 4 experts, top 2.
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    # Experts plus a gated shared expert.
+    "qwen2-moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=40,
+        ),
+    ),
+}
+
+
+def save_tiny(folder, config_name, model_name, extra, **overrides):
+    config = getattr(transformers, config_name)(**{**COMMON, **overrides}, **extra)
+    config.architectures = [model_name]
+    torch.manual_seed(1)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():  # random biases and norms: zeros and ones would hide a missing one
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+            elif "norm" in name and name.endswith("weight"):
+                param.normal_(1, 0.2)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("paged", [True, False])
+def test_family_gives_hf_logits_through_the_paged_cache(family, paged, tmp_path):
+    """A prompt in two chunks, then a decode token: each step's last logits are HF's."""
+    hf_model = save_tiny(tmp_path, *FAMILIES[family])
+    options = RuntimeOptions(
+        dtype="fp32", max_model_len=64, block_size=4, paged_attention=paged, max_num_seqs=2
+    )
+    runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
+    assert isinstance(runner.model, GenericCausalLM)
+    prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11]
+    blocks = tuple(range(runner.num_blocks // 2))
+    steps = [(prompt[:6], 0), (prompt[6:], 6), ([123], len(prompt))]
+    sequence = []
+    for new, computed in steps:
+        sequence += new
+        (logits,) = runner.execute([SequenceChunk(tuple(new), computed, blocks, True)])
+        with torch.inference_mode():
+            expected = hf_model(torch.tensor([sequence])).logits[0, -1]
+        error = (logits - expected).abs().max() / expected.abs().max()
+        assert error < 1e-4, f"{family}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("family", ["gpt-neox", "granite", "mixtral"])
+def test_batched_generation_gives_hf_greedy_tokens(family, tmp_path, smollm2_dir):
+    """Two prompts of different lengths generated together (one packed row a step, each with
+    its own positions) through the offline LLM: each gets HF's greedy tokens run alone."""
+    hf_model = save_tiny(tmp_path, *FAMILIES[family])
+    transformers.AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(tmp_path)
+    hf_model.generation_config.eos_token_id = None  # random weights: run the whole length
+    prompts = [[5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11], list(range(100, 140))]
+    settings = dict(model=tmp_path, dtype="fp32", max_model_len=64, cache_dir=TEST_CACHE_DIR)
+    with LLM(**settings) as llm:
+        results = llm.generate(prompts, max_new_tokens=12, ignore_eos=True)
+    for prompt, result in zip(prompts, results):
+        expected, logits = hf_greedy_alone(hf_model, prompt, 12)
+        assert_same_or_near_tie(result.token_ids, expected, logits, eos_ids=())
+
+
+def test_start_up_names_the_generic_path(tmp_path):
+    save_tiny(tmp_path, *FAMILIES["olmo2"])
+    path = serving_path(tmp_path)
+    assert path == ServingPath("Olmo2ForCausalLM", None)
+    assert "generic path" in path.describe()
+    assert serving_path(tmp_path, EngineRequest(max_model_len=64)).native is None
+
+
+REFUSED = {
+    # (config, model, extra, settings, what the message names)
+    "tensor parallel": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        {},
+        EngineRequest(tensor_parallel_degree=2),
+        "tensor_parallel_degree=1",
+    ),
+    "quantize": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        {},
+        EngineRequest(quantize="int8"),
+        "option.quantize=int8",
+    ),
+    "lora": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        {},
+        EngineRequest(enable_lora=True),
+        "option.enable_lora",
+    ),
+    "soft-capping": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(num_key_value_heads=2, head_dim=16, sliding_window=256),
+        EngineRequest(max_model_len=64),
+        "soft-capping",
+    ),
+    "window shorter than the context": (
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        dict(num_key_value_heads=2, sliding_window=32),
+        EngineRequest(max_model_len=64),
+        "option.max_model_len <= 32",
+    ),
+    "attention sinks": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, sliding_window=256),
+        EngineRequest(max_model_len=64),
+        "attention sinks",
+    ),
+    "no attention interface": ("BloomConfig", "BloomForCausalLM", {}, EngineRequest(), "interface"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_what_the_generic_path_cannot_run_is_refused_before_start(case, tmp_path):
+    config_name, model_name, extra, wanted, named = REFUSED[case]
+    if config_name == "BloomConfig":  # names its sizes its own way
+        config = transformers.BloomConfig(vocab_size=300, hidden_size=48, n_layer=2, n_head=6)
+        config.architectures = [model_name]
+        transformers.BloomForCausalLM(config).save_pretrained(tmp_path)
+    else:
+        save_tiny(tmp_path, config_name, model_name, extra)
+    with pytest.raises(UnservableModel) as error:
+        serving_path(tmp_path, wanted)
+    message = str(error.value)
+    assert model_name in message and named in message
+    assert "engine=Python" in message  # the alternative
+
+
+def test_a_window_within_the_context_is_served(tmp_path):
+    save_tiny(tmp_path, "Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=32))
+    assert serving_path(tmp_path, EngineRequest(max_model_len=32)).native is None
+
+
+def test_attention_sinks_stop_the_load_naming_them():
+    """GPT-OSS passes its sinks (s_aux) to the attention function; the paged kernels would
+    drop them, so the load stops naming them (as does start-up, by model type)."""
+    from lmserve.rolling_batch.models import generic
+
+    generic._register()
+    config = transformers.GptOssConfig(
+        **COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4, sliding_window=256
+    )
+    config._attn_implementation = generic.ATTENTION_NAME
+    model = transformers.GptOssForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="s_aux"):
+        GenericCausalLM(model, 64)
