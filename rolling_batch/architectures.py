@@ -18,25 +18,87 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-# HF architecture name -> "module:class" under rolling_batch/models/ that serves it natively.
-NATIVE_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama:LlamaForCausalLM",
-    "MistralForCausalLM": "llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
-    "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
-    "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
-    "GemmaForCausalLM": "gemma:GemmaForCausalLM",
-    "FalconForCausalLM": "falcon:FalconForCausalLM",
+
+@dataclass(frozen=True)
+class NativeFamily:
+    """A family with a module of its own under rolling_batch/models/ (the README's table of
+    supported models is written from these: `python -m lmserve.rolling_batch.architectures`)."""
+
+    family: str  # as users call it
+    architectures: tuple[str, ...]  # config.json's names
+    location: str  # "module:class" under rolling_batch/models/
+    gguf: tuple[str, ...] = ()  # GGUF `general.architecture` values served (see below)
+    lora: str = "yes"  # "yes", or why not / what not (refused at start-up when "no ...")
+    notes: str = ""
+    # option.quantize at load; AWQ/GPTQ checkpoints where their names are Llama's.
+    quantize: str = "int4, int8"
+
+
+_CHECKPOINT_QUANTIZED = "int4, int8, AWQ, GPTQ"
+# GGUF files are served for the families whose GGUF tensors lmserve also reads as codes
+# (option.quantize takes them from the file under Llama's names): Phi-3's fused and Falcon's
+# tensors are not, so their GGUF files are refused by name (their safetensors are served).
+NATIVE_FAMILIES = (
+    NativeFamily(
+        "Llama (1-3.x), SmolLM",
+        ("LlamaForCausalLM",),
+        "llama:LlamaForCausalLM",
+        gguf=("llama",),
+        quantize=_CHECKPOINT_QUANTIZED,
+    ),
+    NativeFamily(
+        "Mistral",
+        ("MistralForCausalLM",),
+        "llama:LlamaForCausalLM",
+        gguf=("mistral",),
+        quantize=_CHECKPOINT_QUANTIZED,
+        notes="a sliding window needs option.max_model_len <= the window",
+    ),
+    NativeFamily(
+        "Qwen2, Qwen2.5",
+        ("Qwen2ForCausalLM",),
+        "llama:LlamaForCausalLM",
+        gguf=("qwen2",),
+        quantize=_CHECKPOINT_QUANTIZED,
+        notes="a sliding window needs option.max_model_len <= the window",
+    ),
+    NativeFamily(
+        "Qwen3", ("Qwen3ForCausalLM",), "qwen3:Qwen3ForCausalLM", gguf=("qwen3",), notes=""
+    ),
+    NativeFamily(
+        "Phi-3 (4k, 8k context)",
+        ("Phi3ForCausalLM",),
+        "phi3:Phi3ForCausalLM",
+        lora="o_proj, down_proj (fused qkv_proj, gate_up_proj refused)",
+        notes="LongRoPE checkpoints (128k context, Phi-4-mini) refused",
+    ),
+    NativeFamily("Gemma", ("GemmaForCausalLM",), "gemma:GemmaForCausalLM"),
+    NativeFamily(
+        "Falcon (7B, 40B, 180B, Falcon2)",
+        ("FalconForCausalLM",),
+        "falcon:FalconForCausalLM",
+        lora="no (refused at start-up)",
+        notes="ALiBi variants refused",
+    ),
+)
+# Families with no native module that the generic path is tested on against HF
+# (tests/rolling_batch/test_generic_path.py): architecture -> family.
+GENERIC_TESTED = {
+    "GPTNeoXForCausalLM": "GPT-NeoX, Pythia",
+    "Olmo2ForCausalLM": "OLMo 2",
+    "GraniteForCausalLM": "Granite",
+    "Starcoder2ForCausalLM": "StarCoder2",
+    "CohereForCausalLM": "Command R (Cohere)",
+    "MixtralForCausalLM": "Mixtral (MoE)",
+    "Qwen2MoeForCausalLM": "Qwen2-MoE",
 }
-# GGUF's general.architecture -> the HF architecture transformers converts it to, for the
-# families whose GGUF tensors lmserve also reads as codes (option.quantize takes them from the
-# file under Llama's names): Phi-3's fused and Falcon's tensors are not, so their GGUF files are
-# refused by name (their safetensors checkpoints are served).
+# HF architecture name -> "module:class" that serves it natively.
+NATIVE_ARCHITECTURES = {
+    name: family.location for family in NATIVE_FAMILIES for name in family.architectures
+}
+# GGUF's general.architecture -> the HF architecture transformers converts it to.
 GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
+    gguf: family.architectures[0] for family in NATIVE_FAMILIES for gguf in family.gguf
 }
 # Rope scalings whose frequencies do not change with the sequence's length (the others,
 # "dynamic" and "longrope", are refused by name before anything starts).
@@ -94,6 +156,12 @@ def serving_path(path: Path, wanted: EngineRequest = EngineRequest()) -> Serving
     names = architectures_of(path)
     native = native_class(names)
     if native is not None:
+        family = next(f for f in NATIVE_FAMILIES if native[0] in f.architectures)
+        if wanted.enable_lora and family.lora.startswith("no"):
+            raise UnservableModel(
+                f"architecture {native[0]}: option.enable_lora is not served on {family.family};"
+                " unset it (or merge the adapter into the weights)"
+            )
         return ServingPath(*native)
     named = ", ".join(names) or "none named"
     if path.suffix == ".gguf" or any(name.endswith(")") for name in names):
@@ -211,3 +279,31 @@ def _skip_value(file, kind: int) -> None:
         file.seek(struct.calcsize("<" + _GGUF_SCALARS[kind]), 1)
     else:
         raise UnservableModel(f"GGUF header: unknown value type {kind}")
+
+
+def supported_models_table() -> str:
+    """The README's table of supported models, in Markdown, from the tables above."""
+    rows = [
+        "| Family | Architectures | Path | TP | option.quantize | LoRA | GGUF | Notes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for family in NATIVE_FAMILIES:
+        names = ", ".join(f"`{name}`" for name in family.architectures)
+        gguf = "yes" if family.gguf else "no"
+        rows.append(
+            f"| {family.family} | {names} | native | any | {family.quantize} | {family.lora}"
+            f" | {gguf} | {family.notes} |"
+        )
+    for name, family in GENERIC_TESTED.items():
+        rows.append(f"| {family} | `{name}` | generic | 1 | no | no | no | |")
+    rows.append(
+        "| any other decoder-only model transformers ships | (its own) | generic | 1 | no | no"
+        " | no | its attention must go through transformers' attention interface; no"
+        " soft-capping, sinks or latent attention; a sliding window needs"
+        " option.max_model_len <= the window |"
+    )
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(supported_models_table(), end="")

@@ -1,4 +1,5 @@
-"""The README's custom-handler example is the handler the integration tests serve."""
+"""The README's custom-handler example is the handler the integration tests serve; its table
+of supported models is the one the registry writes."""
 
 from pathlib import Path
 
@@ -11,3 +12,11 @@ def test_readme_shows_the_tested_model_py():
     example = section.split("```python\n", 1)[1].split("```", 1)[0]
     tested = (ROOT / "tests/integration/custom_handler/model.py").read_text()
     assert example == tested
+
+
+def test_readme_supported_models_table_is_the_registrys():
+    from lmserve.rolling_batch.architectures import supported_models_table
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("<!-- supported-models -->\n", 1)[1].split("<!-- /supported-models -->")[0]
+    assert table == supported_models_table()

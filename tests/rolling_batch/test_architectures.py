@@ -160,3 +160,57 @@ def test_sliding_window_longer_context_is_refused(tmp_path):
     options = RuntimeOptions(dtype="fp32", max_model_len=64, max_num_seqs=1)
     with pytest.raises(ValueError, match="sliding-window.*max_model_len <= 16"):
         build_runner(tmp_path, options, TensorParallelGroup())
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "gemma", "phi3", "falcon-7b", "falcon-40b"])
+def test_int8_weights_give_hf_logits_on_the_dequantized_weights(variant, tmp_path):
+    """option.quantize=int8 on each native family: every linear, the embedding and the LM head
+    (their inputs a multiple of 32 wide here) as HF computes on the same weights quantized and
+    dequantized, whatever the family fuses or names them."""
+    from lmserve.rolling_batch.layers.quantized import dequantize_int8, quantize_int8
+
+    config_name, model_name, extra = VARIANTS[variant]
+    sizes = dict(COMMON, hidden_size=64, intermediate_size=96, num_attention_heads=4)
+    config = getattr(transformers, config_name)(**sizes, **extra)
+    torch.manual_seed(1)
+    hf_model = getattr(transformers, model_name)(config).eval()
+    hf_model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        for module in hf_model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.data = dequantize_int8(*quantize_int8(module.weight.data))
+    options = RuntimeOptions(
+        dtype="fp32", max_model_len=64, block_size=16, max_num_seqs=2, quantize="int8"
+    )
+    runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
+    prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11]
+    blocks = tuple(range(runner.num_blocks // 2))
+    (logits,) = runner.execute([SequenceChunk(tuple(prompt), 0, blocks, True)])
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([prompt])).logits[0, -1]
+    error = (logits - expected).abs().max() / expected.abs().max()
+    assert error < 1e-4, f"{variant}: relative error {error:.2e}"
+
+
+def test_a_hidden_size_int8_cannot_group_keeps_the_embedding_dense(tmp_path):
+    """48 wide: no linear and no embedding row splits into groups of 32; all stay dense and
+    the model serves HF's logits (it once failed reshaping the embedding)."""
+    hf_model = save_tiny(tmp_path, *VARIANTS["qwen2"])
+    options = RuntimeOptions(
+        dtype="fp32", max_model_len=64, block_size=16, max_num_seqs=2, quantize="int8"
+    )
+    runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
+    prompt = [5, 17, 250, 3, 99]
+    (logits,) = runner.execute([SequenceChunk(tuple(prompt), 0, (0, 1), True)])
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([prompt])).logits[0, -1]
+    assert (logits - expected).abs().max() / expected.abs().max() < 1e-4
+
+
+def test_lora_on_a_family_without_it_is_refused_before_start(tmp_path):
+    from lmserve.rolling_batch.architectures import EngineRequest, UnservableModel, serving_path
+
+    save_tiny(tmp_path, *VARIANTS["falcon-7b"])
+    assert serving_path(tmp_path).native == "falcon:FalconForCausalLM"
+    with pytest.raises(UnservableModel, match="option.enable_lora is not served on Falcon"):
+        serving_path(tmp_path, EngineRequest(enable_lora=True))

@@ -10,6 +10,7 @@ import transformers
 
 from lmserve.rolling_batch import LLM
 from lmserve.rolling_batch.architectures import (
+    GENERIC_TESTED,
     EngineRequest,
     ServingPath,
     UnservableModel,
@@ -112,16 +113,19 @@ def test_family_gives_hf_logits_through_the_paged_cache(family, paged, tmp_path)
         assert error < 1e-4, f"{family}: relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("family", ["gpt-neox", "granite", "mixtral"])
-def test_batched_generation_gives_hf_greedy_tokens(family, tmp_path, smollm2_dir):
-    """Two prompts of different lengths generated together (one packed row a step, each with
-    its own positions) through the offline LLM: each gets HF's greedy tokens run alone."""
+@pytest.mark.parametrize(
+    ("family", "drafts"), [("gpt-neox", None), ("granite", "[ngram]"), ("mixtral", None)]
+)
+def test_batched_generation_gives_hf_greedy_tokens(family, drafts, tmp_path, smollm2_dir):
+    """Prompts of different lengths generated together (one packed row a step, each with its
+    own positions) through the offline LLM: each gets HF's greedy tokens run alone; with
+    n-gram drafts too (a repetitive prompt, checked several tokens a step)."""
     hf_model = save_tiny(tmp_path, *FAMILIES[family])
     transformers.AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(tmp_path)
     hf_model.generation_config.eos_token_id = None  # random weights: run the whole length
-    prompts = [[5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11], list(range(100, 140))]
+    prompts = [[5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11], list(range(100, 140)), [7, 8, 9] * 8]
     settings = dict(model=tmp_path, dtype="fp32", max_model_len=64, cache_dir=TEST_CACHE_DIR)
-    with LLM(**settings) as llm:
+    with LLM(**settings, speculative_draft_model=drafts) as llm:
         results = llm.generate(prompts, max_new_tokens=12, ignore_eos=True)
     for prompt, result in zip(prompts, results):
         expected, logits = hf_greedy_alone(hf_model, prompt, 12)
@@ -218,3 +222,7 @@ def test_attention_sinks_stop_the_load_naming_them():
     model = transformers.GptOssForCausalLM(config).eval()
     with pytest.raises(ValueError, match="s_aux"):
         GenericCausalLM(model, 64)
+
+
+def test_the_families_tested_here_are_the_ones_the_readme_lists():
+    assert {model_name for _, model_name, _ in FAMILIES.values()} == set(GENERIC_TESTED)
