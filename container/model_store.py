@@ -73,7 +73,6 @@ def resolve_model(config: ServingConfig, model_dir: Path | None, cache_dir: Path
     check = None
     if config.engine == "MPI":
         wanted = EngineRequest(
-            max_model_len=config.max_model_len,
             tensor_parallel_degree=config.tensor_parallel_degree,
             trust_remote_code=config.trust_remote_code,
             quantize=config.quantize,

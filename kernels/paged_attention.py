@@ -4,15 +4,18 @@ One call serves every kind of sequence in a step: a whole prompt, a chunk of a p
 earlier part is already cached, or one decode token. Sequence `s` owns query rows
 `query_start_loc[s]:query_start_loc[s+1]` (its newest `q_len` tokens) and has `seq_lens[s]`
 tokens in the cache, its K/V already stored; query row `i` sits at absolute position
-`seq_lens[s] - q_len + i` and attends to keys `0..position`. Grouped-query attention: query
-head `h` reads KV head `h // (q_heads // kv_heads)`.
+`seq_lens[s] - q_len + i` and attends to keys `0..position`, or with a sliding `window` to the
+`window` keys up to its position (`position - window < key <= position`, as HF masks it).
+Grouped-query attention: query head `h` reads KV head `h // (q_heads // kv_heads)`. A `softcap`
+(Gemma 2's) squashes each scaled score into (-softcap, softcap) with tanh before the softmax.
 
 On CPU the C++ kernel (`cpu_native`) serves; the torch reference here is what it is tested
-against, and the fallback without a compiler. The reference pads sequences to the longest
-query and context so one batched matmul serves many (a Python loop per sequence costs more
-than the math at decode sizes). Everything that depends only on the step's layout (which
-cache slots each sequence reads, the causal mask, where query rows go) is a `ReferencePlan`,
-built once per step and shared by every layer.
+against, the fallback without a compiler, and (on CPU and CUDA alike) what serves a window
+shorter than the context or soft-capping, which the kernels do not have yet. The reference
+pads sequences to the longest query and context so one batched matmul serves many (a Python
+loop per sequence costs more than the math at decode sizes). Everything that depends only on
+the step's layout (which cache slots each sequence reads, the causal mask, where query rows
+go) is a `ReferencePlan`, built once per step and shared by every layer.
 """
 
 from __future__ import annotations
@@ -38,7 +41,22 @@ class _Group:
     token_seq: torch.Tensor | None  # per query row: its sequence and row within it
     token_row: torch.Tensor | None  # (None for decodes: one row each, in order)
     bias: torch.Tensor  # [S, 1, Q, L] fp32: 0 where the key is visible, -inf where not
+    positions: torch.Tensor  # [S, Q] each query row's position (padding rows continue)
     _head_rows: dict = field(default_factory=dict, compare=False)
+    _window_bias: dict = field(default_factory=dict, compare=False)
+
+    def bias_for(self, window: int | None) -> torch.Tensor:
+        """`bias`, with the keys at or before `position - window` hidden too where a window is
+        given; built by the first layer with that window, reused by the rest."""
+        if window is None or window >= self.context:
+            return self.bias
+        bias = self._window_bias.get(window)
+        if bias is None:
+            key_index = torch.arange(self.context, device=self.bias.device)
+            gone = key_index[None, None, :] <= self.positions[:, :, None] - window
+            bias = self.bias.masked_fill(gone[:, None], float("-inf"))
+            self._window_bias[window] = bias
+        return bias
 
     def head_major_rows(self, kv_heads: int) -> torch.Tensor:
         """Rows of a cache seen as [slots * kv_heads, head_dim], ordered (head, sequence,
@@ -133,7 +151,15 @@ def _group(seqs, rows, block_tables, seq_lens, q_lens, block_size) -> _Group:
         token_seq = torch.repeat_interleave(torch.arange(len(seqs), device=device), lens)
         token_row = _offsets_within(lens)
     return _Group(
-        rows, slots.flatten(), len(seqs), context, query_len, token_seq, token_row, bias[:, None]
+        rows,
+        slots.flatten(),
+        len(seqs),
+        context,
+        query_len,
+        token_seq,
+        token_row,
+        bias[:, None],
+        positions,
     )
 
 
@@ -154,16 +180,21 @@ def attend(
     v_cache: torch.Tensor,
     plan: ReferencePlan,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
+    limits = (window, softcap)
     if len(plan.groups) == 1 and plan.groups[0].rows is None:
-        return _attend_group(query, k_cache, v_cache, plan.groups[0], scale)
+        return _attend_group(query, k_cache, v_cache, plan.groups[0], scale, *limits)
     out = torch.empty_like(query)
     for group in plan.groups:
-        out[group.rows] = _attend_group(query[group.rows], k_cache, v_cache, group, scale)
+        out[group.rows] = _attend_group(query[group.rows], k_cache, v_cache, group, scale, *limits)
     return out
 
 
-def _attend_group(query, k_cache, v_cache, group: _Group, scale: float) -> torch.Tensor:
+def _attend_group(
+    query, k_cache, v_cache, group: _Group, scale: float, window=None, softcap=None
+) -> torch.Tensor:
     """Scores and values in the model dtype, softmax in fp32 (HF's eager attention: exact in
     fp32; torch's SDPA in bf16 measured 3-4x slower on this CPU)."""
     num_tokens, q_heads, head_dim = query.shape
@@ -185,8 +216,10 @@ def _attend_group(query, k_cache, v_cache, group: _Group, scale: float) -> torch
     stacked = padded.view(num_seqs, query_len, kv_heads, heads_per_kv, head_dim)
     stacked = stacked.permute(2, 0, 3, 1, 4).reshape(kv_heads, num_seqs, -1, head_dim)
     scores = torch.matmul(stacked, keys.transpose(-1, -2)).float().mul_(scale)
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     scores = scores.view(kv_heads, num_seqs, heads_per_kv, query_len, context)
-    scores.add_(group.bias.view(1, num_seqs, 1, query_len, context))
+    scores.add_(group.bias_for(window).view(1, num_seqs, 1, query_len, context))
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
     out = torch.matmul(probs.view(kv_heads, num_seqs, -1, context), values)
     out = out.view(kv_heads, num_seqs, heads_per_kv, query_len, head_dim)
@@ -206,10 +239,12 @@ def paged_attention_reference(
     scale,
     max_query_len,
     max_seq_len,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The whole computation for one layer; a model builds the plan once per step instead."""
     plan = ReferencePlan.build(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
-    return attend(query, k_cache, v_cache, plan, scale)
+    return attend(query, k_cache, v_cache, plan, scale, window, softcap)
 
 
 def paged_attention(
@@ -223,19 +258,23 @@ def paged_attention(
     max_query_len,
     max_seq_len,
     plan: ReferencePlan | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """CUDA: the Triton kernel. CPU: the C++ kernel, which reads the cache in place; without
-    it the torch reference with `plan`, the step's `ReferencePlan` (built here if not given)."""
-    if query.is_cuda:
+    it the torch reference with `plan`, the step's `ReferencePlan` (built here if not given).
+    A `window` some sequence's context outgrows, or a `softcap`, takes the reference."""
+    limited = softcap is not None or (window is not None and max_seq_len > window)
+    if query.is_cuda and not limited:
         from .paged_attention_triton import paged_attention_triton
 
         args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
         return paged_attention_triton(*args, max_query_len, max_seq_len)
-    native = cpu_native.native_ops()
-    if native is not None:
+    native = cpu_native.native_ops() if not query.is_cuda else None
+    if native is not None and not limited:
         return native.paged_attention(
             query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
         )
     if plan is None:
         plan = ReferencePlan.build(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
-    return attend(query, k_cache, v_cache, plan, scale)
+    return attend(query, k_cache, v_cache, plan, scale, window if limited else None, softcap)

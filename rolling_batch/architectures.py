@@ -35,6 +35,7 @@ class NativeFamily:
 
 
 _CHECKPOINT_QUANTIZED = "int4, int8, AWQ, GPTQ"
+_WINDOW_NOTE = "sliding windows served (past the window, through the torch attention)"
 # GGUF files are served for the families whose GGUF tensors lmserve also reads as codes
 # (option.quantize takes them from the file under Llama's names): Phi-3's fused and Falcon's
 # tensors are not, so their GGUF files are refused by name (their safetensors are served).
@@ -52,7 +53,7 @@ NATIVE_FAMILIES = (
         "llama:LlamaForCausalLM",
         gguf=("mistral",),
         quantize=_CHECKPOINT_QUANTIZED,
-        notes="a sliding window needs option.max_model_len <= the window",
+        notes=_WINDOW_NOTE,
     ),
     NativeFamily(
         "Qwen2, Qwen2.5",
@@ -60,7 +61,7 @@ NATIVE_FAMILIES = (
         "llama:LlamaForCausalLM",
         gguf=("qwen2",),
         quantize=_CHECKPOINT_QUANTIZED,
-        notes="a sliding window needs option.max_model_len <= the window",
+        notes=_WINDOW_NOTE,
     ),
     NativeFamily(
         "Qwen3", ("Qwen3ForCausalLM",), "qwen3:Qwen3ForCausalLM", gguf=("qwen3",), notes=""
@@ -70,7 +71,7 @@ NATIVE_FAMILIES = (
         ("Phi3ForCausalLM",),
         "phi3:Phi3ForCausalLM",
         lora="o_proj, down_proj (fused qkv_proj, gate_up_proj refused)",
-        notes="LongRoPE checkpoints (128k context, Phi-4-mini) refused",
+        notes="LongRoPE checkpoints (128k context, Phi-4-mini) refused; " + _WINDOW_NOTE,
     ),
     NativeFamily("Gemma", ("GemmaForCausalLM",), "gemma:GemmaForCausalLM"),
     NativeFamily(
@@ -88,6 +89,8 @@ GENERIC_TESTED = {
     "Olmo2ForCausalLM": "OLMo 2",
     "GraniteForCausalLM": "Granite",
     "Starcoder2ForCausalLM": "StarCoder2",
+    "Gemma2ForCausalLM": "Gemma 2",
+    "Gemma3ForCausalLM": "Gemma 3 (text)",
     "CohereForCausalLM": "Command R (Cohere)",
     "MixtralForCausalLM": "Mixtral (MoE)",
     "Qwen2MoeForCausalLM": "Qwen2-MoE",
@@ -143,7 +146,6 @@ class ServingPath:
 class EngineRequest:
     """The settings that decide whether a path can serve a model (the serving.properties')."""
 
-    max_model_len: int | None = None
     tensor_parallel_degree: int = 1
     trust_remote_code: bool = False
     quantize: str | None = None
@@ -187,7 +189,6 @@ def _generic_refusal(path: Path, wanted: EngineRequest) -> str | None:
         "-m",
         "lmserve.rolling_batch.models.generic",
         str(path),
-        str(wanted.max_model_len or "none"),
         str(wanted.tensor_parallel_degree),
         "1" if wanted.trust_remote_code else "0",
     ]
@@ -299,8 +300,7 @@ def supported_models_table() -> str:
     rows.append(
         "| any other decoder-only model transformers ships | (its own) | generic | 1 | no | no"
         " | no | its attention must go through transformers' attention interface; no"
-        " soft-capping, sinks or latent attention; a sliding window needs"
-        " option.max_model_len <= the window |"
+        " attention sinks or latent attention |"
     )
     return "\n".join(rows) + "\n"
 

@@ -90,7 +90,7 @@ def load_model(
         if quantize is not None or read_quantization(hf_config, None) is not None:
             raise ValueError("quantized weights are served on the native families only")
         return GenericCausalLM.from_pretrained(
-            model_path, dtype, device, max_model_len, group.world_size, trust_remote_code
+            model_path, dtype, device, group.world_size, trust_remote_code
         )
     checkpoint = read_quantization(hf_config, quantize)
     method = checkpoint.method if checkpoint is not None else quantize

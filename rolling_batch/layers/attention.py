@@ -46,6 +46,9 @@ class Attention(nn.Module):
         self.heads = heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        # Keys this layer sees back from each token (its own included), None for all: set by
+        # a family whose layers slide (Mistral, Qwen2's upper layers, Phi-3-mini).
+        self.sliding_window: int | None = None
         self.qkv_proj = QKVLinear(hidden_size, head_dim, heads, qkv_bias)
         self.o_proj = RowLinear(
             heads.q_start * head_dim, heads.num_q * head_dim, hidden_size, group, o_bias
@@ -88,6 +91,7 @@ class Attention(nn.Module):
             meta.max_query_len,
             meta.max_seq_len,
             meta.reference_plan,
+            window=self.sliding_window,
         )
         return self.o_proj(out.reshape(num_tokens, q_size))
 

@@ -7,7 +7,7 @@ positions (transformers builds no mask for an attention function it has no mask 
 
 What it cannot run is refused before anything starts (`generic_refusal`, asked by the front
 end through `python -m lmserve.rolling_batch.models.generic`): TP > 1, option.quantize, LoRA,
-sliding windows shorter than the context, attention soft-capping.
+attention sinks, latent attention.
 """
 
 from __future__ import annotations
@@ -42,17 +42,17 @@ class _LayerCall:
     key: tuple[int, int]  # (KV heads, head_dim)
     value: tuple[int, int]
     extras: tuple[str, ...]  # keyword arguments with a value this function does not apply
-    sliding_window: int | None
 
 
 # Keyword arguments models pass that change nothing here (positions are already applied), and
-# the window, which the probe checks against the context length.
+# those paged_attention takes (a layer's sliding window, Gemma 2's score soft-capping).
 _HANDLED_ARGUMENTS = {
     "position_ids",
     "cache_position",
     "use_cache",
     "position_embeddings",
     "sliding_window",
+    "softcap",
 }
 
 
@@ -69,9 +69,8 @@ def paged_attention_forward(
     query, key, value = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
     if step.calls is not None:  # the layout probe: what each layer asks for, nothing computed
         extras = (k for k, v in kwargs.items() if v is not None and k not in _HANDLED_ARGUMENTS)
-        window = kwargs.get("sliding_window")
         step.calls[layer] = _LayerCall(
-            tuple(key.shape[1:]), tuple(value.shape[1:]), tuple(sorted(extras)), window
+            tuple(key.shape[1:]), tuple(value.shape[1:]), tuple(sorted(extras))
         )
         return query.new_zeros(*query.shape[:2], value.shape[-1])[None], None
     meta = step.meta
@@ -89,6 +88,8 @@ def paged_attention_forward(
         meta.max_query_len,
         meta.max_seq_len,
         meta.reference_plan,
+        window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
     )
     return out[None], None
 
@@ -129,9 +130,9 @@ class _HiddenStates(nn.Module):
 class GenericCausalLM(nn.Module):
     """The ModelRunner's model interface over an HF causal LM (TP=1)."""
 
-    def __init__(self, hf_model, max_positions: int, tensor_parallel_degree: int = 1):
+    def __init__(self, hf_model, tensor_parallel_degree: int = 1):
         super().__init__()
-        refusal = generic_refusal(hf_model.config, max_positions, tensor_parallel_degree)
+        refusal = generic_refusal(hf_model.config, tensor_parallel_degree)
         if refusal is not None:
             raise ValueError(f"{type(hf_model).__name__}: {refusal}")
         self.config = hf_model.config
@@ -141,7 +142,7 @@ class GenericCausalLM(nn.Module):
         self._head_input = _HiddenStates()
         setattr(hf_model, hf_model.base_model_prefix, self._head_input)
         self.greedy_head = None
-        self.num_layers, self.num_kv_heads, self.head_dim = self._probe_kv_layout(max_positions)
+        self.num_layers, self.num_kv_heads, self.head_dim = self._probe_kv_layout()
 
     @classmethod
     def from_pretrained(
@@ -149,7 +150,6 @@ class GenericCausalLM(nn.Module):
         model_path,
         dtype,
         device,
-        max_positions,
         tensor_parallel_degree=1,
         trust_remote_code=False,
     ):
@@ -162,7 +162,7 @@ class GenericCausalLM(nn.Module):
             attn_implementation=ATTENTION_NAME,
             trust_remote_code=trust_remote_code,
         )
-        return cls(hf_model.to(device).eval(), max_positions, tensor_parallel_degree)
+        return cls(hf_model.to(device).eval(), tensor_parallel_degree)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -173,10 +173,10 @@ class GenericCausalLM(nn.Module):
         return self.num_layers, self.num_kv_heads, self.head_dim
 
     @torch.inference_mode()
-    def _probe_kv_layout(self, max_positions: int) -> tuple[int, int, int]:
+    def _probe_kv_layout(self) -> tuple[int, int, int]:
         """Each layer's attention call from one token through the model: configs name their
         head counts their own ways, the calls do not; and a call asking for what the paged
-        kernels do not do (attention sinks, a window) stops the load here."""
+        kernels do not do (attention sinks) stops the load here."""
         calls: dict[int, _LayerCall] = {}
         device = next(self.decoder.parameters()).device
         one = torch.zeros((1, 1), dtype=torch.long, device=device)
@@ -199,12 +199,6 @@ class GenericCausalLM(nn.Module):
                 raise ValueError(
                     f"{named}: layer {layer}'s attention asks for {', '.join(call.extras)},"
                     " which lmserve's paged attention does not apply"
-                )
-            if call.sliding_window is not None and call.sliding_window < max_positions:
-                raise ValueError(
-                    f"{named}: sliding-window attention ({call.sliding_window} tokens) is not"
-                    f" served on the generic path; set option.max_model_len <="
-                    f" {call.sliding_window}"
                 )
         heads, dim = calls[0].key
         return len(calls), heads, dim
@@ -245,7 +239,7 @@ _REFUSED_TYPES = {
 }
 
 
-def generic_refusal(config, max_model_len: int | None, tensor_parallel_degree: int) -> str | None:
+def generic_refusal(config, tensor_parallel_degree: int) -> str | None:
     """Why the generic path cannot serve this config (None: it can), for a message that names
     the architecture first. It imports transformers (and with it torch): the front end asks
     through `python -m` (main below)."""
@@ -269,38 +263,18 @@ def generic_refusal(config, max_model_len: int | None, tensor_parallel_degree: i
         return _REFUSED_TYPES[model_type]
     if tensor_parallel_degree > 1:
         return "the generic path runs TP=1 (set tensor_parallel_degree=1)"
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "attn_logit_softcapping", None):
-        return "attention logit soft-capping is not in lmserve's paged attention"
-    window = getattr(text, "sliding_window", None)
-    layer_types = getattr(text, "layer_types", None)
-    uses_window = (
-        window is not None
-        and (layer_types is None or "sliding_attention" in layer_types)
-        and getattr(text, "use_sliding_window", True)
-    )
-    if uses_window and (max_model_len is None or max_model_len > window):
-        return (
-            f"sliding-window attention ({window} tokens) is not served on the generic path;"
-            f" set option.max_model_len <= {window}"
-        )
     return None
 
 
 def main(argv: list[str]) -> int:
-    """`python -m lmserve.rolling_batch.models.generic MODEL_DIR MAX_MODEL_LEN TP TRUST`:
-    prints a JSON `{"refusal": str | null}` for the front end, which stays torch-free."""
+    """`python -m lmserve.rolling_batch.models.generic MODEL_DIR TP TRUST`: prints a JSON
+    `{"refusal": str | null}` for the front end, which stays torch-free."""
     from transformers import AutoConfig
 
-    folder, max_model_len, tp, trust = argv
+    folder, tp, trust = argv
     try:
         config = AutoConfig.from_pretrained(Path(folder), trust_remote_code=trust == "1")
-        limit = int(max_model_len) if max_model_len != "none" else None
-        if limit is None:
-            from ..context_length import context_length
-
-            limit = context_length(config.to_dict(), None)
-        refusal = generic_refusal(config, limit, int(tp))
+        refusal = generic_refusal(config, int(tp))
     except (OSError, ValueError, KeyError) as error:
         refusal = f"{folder}: transformers cannot read its config ({error})"
     print(json.dumps({"refusal": refusal}))

@@ -129,6 +129,8 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, head_dim, group, qkv_bias, o_bias, variant)
             for _ in range(config.num_hidden_layers)
         )
+        for layer, window in zip(self.layers, sliding_windows(config, max_positions)):
+            layer.self_attn.sliding_window = window
         # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model dtype first.
         self.embed_scale = config.hidden_size**0.5 if variant.scaled_embedding else None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -179,19 +181,25 @@ class LlamaModel(nn.Module):
         )
 
 
+def sliding_windows(config, max_positions: int) -> list[int | None]:
+    """Each layer's sliding window as HF applies it: on the layers `layer_types` calls
+    "sliding_attention" where the config has them (Qwen2, Qwen3), else on every layer (Mistral,
+    Phi-3); None where there is none or it is no shorter than the context."""
+    window = getattr(config, "sliding_window", None)
+    if not window or not getattr(config, "use_sliding_window", True) or window >= max_positions:
+        return [None] * config.num_hidden_layers
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
 class LlamaForCausalLM(nn.Module):
     variant = BlockVariant()  # families that differ by a switch set theirs (models/qwen3.py)
     model_class: type[nn.Module] = LlamaModel  # a family with other layers (models/falcon.py)
 
     def __init__(self, config, group: TensorParallelGroup, max_positions: int):
         super().__init__()
-        sliding_window = getattr(config, "sliding_window", None)
-        if getattr(config, "use_sliding_window", True) and sliding_window:
-            if max_positions > sliding_window:
-                raise ValueError(
-                    f"sliding-window attention ({sliding_window} tokens) is not supported; set"
-                    f" option.max_model_len <= {sliding_window}"
-                )
         self.config = config
         self.model = self.model_class(config, group, max_positions, self.variant)
         self.tied = getattr(config, "tie_word_embeddings", False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lmserve.kernels.paged_attention import ReferencePlan, paged_attention_reference
 
@@ -22,8 +21,10 @@ SCENARIOS = {
 }
 
 
-def contiguous_attention(case, scale):
-    """The textbook computation, one sequence at a time, for checking the reference."""
+def contiguous_attention(case, scale, window=None, softcap=None):
+    """The textbook computation, one sequence at a time, for checking the reference: with a
+    `window`, keys within `window` of the query's position (HF's mask); with a `softcap`,
+    scores squashed by tanh before the softmax (Gemma 2's)."""
     outputs = []
     block_size = case.k_cache.shape[1]
     for s in range(case.seq_lens.shape[0]):
@@ -41,14 +42,13 @@ def contiguous_attention(case, scale):
         values = values.repeat_interleave(group, dim=1)
         positions = torch.arange(total - (end - start), total)
         mask = torch.arange(total)[None, :] <= positions[:, None]
-        out = F.scaled_dot_product_attention(
-            query.transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
-            attn_mask=mask,
-            scale=scale,
-        )
-        outputs.append(out.transpose(0, 1))
+        if window is not None:
+            mask &= torch.arange(total)[None, :] > positions[:, None] - window
+        scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        outputs.append(torch.einsum("hqk,khd->qhd", weights, values))
     return torch.cat(outputs)
 
 
@@ -59,6 +59,34 @@ def test_reference_equals_contiguous_attention(scenario, block_size, q_heads, kv
     case = make_case(SCENARIOS[scenario], block_size, q_heads, kv_heads, head_dim=8)
     got = paged_attention_reference(*case.args(0.3))
     torch.testing.assert_close(got, contiguous_attention(case, 0.3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize(("window", "softcap"), [(4, None), (16, None), (None, 5.0), (7, 2.0)])
+def test_sliding_window_and_softcap_equal_contiguous_attention(scenario, window, softcap):
+    """Prompt chunks, decodes and both at once, with contexts past the window and within it;
+    a softcap small enough to change the weights."""
+    case = make_case(SCENARIOS[scenario], 4, 6, 2, head_dim=8)
+    got = paged_attention_reference(*case.args(0.3), window=window, softcap=softcap)
+    expected = contiguous_attention(case, 0.3, window, softcap)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if window is not None:  # the window matters here
+        plain = contiguous_attention(case, 0.3, None, softcap)
+        assert not torch.allclose(got, plain, rtol=1e-3, atol=1e-3)
+
+
+def test_a_window_or_softcap_takes_the_reference_whatever_the_kernels():
+    """paged_attention's dispatch: the kernels take neither, so both go to the reference, and
+    a window no context outgrows is plain attention."""
+    from lmserve.kernels.paged_attention import paged_attention
+
+    case = make_case(SCENARIOS["mixed_spread"], 4, 6, 2, head_dim=8)
+    args = case.args(0.3)
+    windowed = paged_attention(*args, window=9, softcap=3.0)
+    expected = contiguous_attention(case, 0.3, 9, 3.0)
+    torch.testing.assert_close(windowed, expected, rtol=1e-5, atol=1e-5)
+    wide = paged_attention(*args, window=10_000)
+    torch.testing.assert_close(wide, contiguous_attention(case, 0.3), rtol=1e-5, atol=1e-5)
 
 
 def test_decodes_of_spread_lengths_are_split_into_groups():

@@ -155,11 +155,58 @@ def test_unsupported_rope_type_is_refused():
         rope_frequencies(config, 8)
 
 
-def test_sliding_window_longer_context_is_refused(tmp_path):
-    save_tiny(tmp_path, "MistralConfig", "MistralForCausalLM", dict(sliding_window=16))
+WINDOWED = {
+    # Every layer slides (Mistral, Phi-3-mini).
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, sliding_window=5)),
+    # Qwen2: the layers from max_window_layers up slide, the others see everything.
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(WINDOWED))
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_sliding_window_past_the_window_matches_hf(variant, block_size, tmp_path):
+    """Prompt chunks and decodes whose contexts outgrow the window: HF's windowed logits."""
+    hf_model = save_tiny(tmp_path, *WINDOWED[variant])
+    options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=block_size, max_num_seqs=2)
+    runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
+    windows = [layer.self_attn.sliding_window for layer in runner.model.model.layers]
+    assert windows == (
+        [None, 4] if variant == "qwen2" else [WINDOWED[variant][2]["sliding_window"]] * 2
+    )
+    prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11]
+    blocks = tuple(range(runner.num_blocks // 2))
+    steps = [(prompt[:6], 0), (prompt[6:], 6), ([123], len(prompt)), ([45], len(prompt) + 1)]
+    sequence = []
+    for new, computed in steps:
+        sequence += new
+        (logits,) = runner.execute([SequenceChunk(tuple(new), computed, blocks, True)])
+        with torch.inference_mode():
+            expected = hf_model(torch.tensor([sequence])).logits[0, -1]
+        error = (logits - expected).abs().max() / expected.abs().max()
+        assert error < 1e-4, f"{variant}: relative error {error:.2e}"
+    # The same weights seeing every key answer otherwise: the window is what matched.
+    config_name, model_name, extra = WINDOWED[variant]
+    windowless = {
+        k: v for k, v in extra.items() if k not in ("sliding_window", "use_sliding_window")
+    }
+    full = save_tiny(
+        tmp_path / "full", config_name, model_name, {**windowless, "sliding_window": None}
+    )
+    with torch.inference_mode():
+        assert not torch.allclose(logits, full(torch.tensor([sequence])).logits[0, -1], atol=1e-3)
+
+
+def test_a_window_as_long_as_the_context_is_plain_attention(tmp_path):
+    save_tiny(tmp_path, "MistralConfig", "MistralForCausalLM", dict(sliding_window=64))
     options = RuntimeOptions(dtype="fp32", max_model_len=64, max_num_seqs=1)
-    with pytest.raises(ValueError, match="sliding-window.*max_model_len <= 16"):
-        build_runner(tmp_path, options, TensorParallelGroup())
+    runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
+    assert all(layer.self_attn.sliding_window is None for layer in runner.model.model.layers)
 
 
 @pytest.mark.parametrize("variant", ["qwen3", "gemma", "phi3", "falcon-7b", "falcon-40b"])

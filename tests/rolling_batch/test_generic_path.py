@@ -50,8 +50,29 @@ FAMILIES = {
             logits_scaling=4.0,
         ),
     ),
-    # Biased LayerNorms and projections, plain GELU MLP.
-    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(num_key_value_heads=2)),
+    # Biased LayerNorms and projections, plain GELU MLP; a sliding window the prompt outgrows.
+    "starcoder2": (
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        dict(num_key_value_heads=2, sliding_window=4),
+    ),
+    # Soft-capped attention scores and logits, a window on alternate layers, pre and post norms.
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(num_key_value_heads=2, head_dim=16, sliding_window=4, attn_logit_softcapping=2.0),
+    ),
+    # Local (windowed) and global layers with their own rope bases, q/k norms.
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
     # Parallel attention and MLP, logits multiplied by logit_scale.
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=2, logit_scale=0.5)),
     # Mixture of experts: 4 experts, top 2.
@@ -137,7 +158,6 @@ def test_start_up_names_the_generic_path(tmp_path):
     path = serving_path(tmp_path)
     assert path == ServingPath("Olmo2ForCausalLM", None)
     assert "generic path" in path.describe()
-    assert serving_path(tmp_path, EngineRequest(max_model_len=64)).native is None
 
 
 REFUSED = {
@@ -163,25 +183,11 @@ REFUSED = {
         EngineRequest(enable_lora=True),
         "option.enable_lora",
     ),
-    "soft-capping": (
-        "Gemma2Config",
-        "Gemma2ForCausalLM",
-        dict(num_key_value_heads=2, head_dim=16, sliding_window=256),
-        EngineRequest(max_model_len=64),
-        "soft-capping",
-    ),
-    "window shorter than the context": (
-        "Starcoder2Config",
-        "Starcoder2ForCausalLM",
-        dict(num_key_value_heads=2, sliding_window=32),
-        EngineRequest(max_model_len=64),
-        "option.max_model_len <= 32",
-    ),
     "attention sinks": (
         "GptOssConfig",
         "GptOssForCausalLM",
         dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, sliding_window=256),
-        EngineRequest(max_model_len=64),
+        EngineRequest(),
         "attention sinks",
     ),
     "no attention interface": ("BloomConfig", "BloomForCausalLM", {}, EngineRequest(), "interface"),
@@ -202,11 +208,6 @@ def test_what_the_generic_path_cannot_run_is_refused_before_start(case, tmp_path
     message = str(error.value)
     assert model_name in message and named in message
     assert "engine=Python" in message  # the alternative
-
-
-def test_a_window_within_the_context_is_served(tmp_path):
-    save_tiny(tmp_path, "Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=32))
-    assert serving_path(tmp_path, EngineRequest(max_model_len=32)).native is None
 
 
 def test_attention_sinks_stop_the_load_naming_them():
