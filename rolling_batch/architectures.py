@@ -76,7 +76,7 @@ NATIVE_FAMILIES = (
     NativeFamily("Gemma", ("GemmaForCausalLM",), "gemma:GemmaForCausalLM"),
     NativeFamily(
         "Falcon (7B, 40B, 180B, Falcon2)",
-        ("FalconForCausalLM",),
+        ("FalconForCausalLM", "RWForCausalLM"),
         "falcon:FalconForCausalLM",
         lora="no (refused at start-up)",
         notes="ALiBi variants refused",
@@ -198,6 +198,25 @@ def _generic_refusal(path: Path, wanted: EngineRequest) -> str | None:
     except (IndexError, ValueError, KeyError):
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return f"transformers could not inspect it ({tail})"
+
+
+# The model types of Falcon's original remote-code checkpoints (RWForCausalLM), which
+# transformers reads only with their code; as its Falcon conversion does, they are read as
+# FalconConfig: the 40B/180B layout is the one with a KV head count.
+REFINED_WEB_TYPES = ("RefinedWeb", "RefinedWebModel")
+
+
+def refined_web_as_falcon(config: dict) -> dict:
+    """A RefinedWeb config.json's fields under FalconConfig's names."""
+    renamed = {k: v for k, v in config.items() if k not in ("auto_map", "n_head_kv")}
+    renamed["num_attention_heads"] = renamed.pop("n_head", config.get("num_attention_heads"))
+    renamed["num_hidden_layers"] = renamed.pop("n_layer", config.get("num_hidden_layers"))
+    if "n_head_kv" in config:
+        renamed["num_kv_heads"] = config["n_head_kv"]
+        renamed["new_decoder_architecture"] = True
+    renamed["model_type"] = "falcon"
+    renamed["architectures"] = ["FalconForCausalLM"]
+    return renamed
 
 
 def architectures_of(path: Path) -> list[str]:

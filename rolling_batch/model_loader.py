@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 
 from lmserve.kernels.cpu_native import cpu_has_native_bf16
 
+from .architectures import REFINED_WEB_TYPES, refined_web_as_falcon
 from .gguf_convert import gguf_source
 from .gguf_weights import read_int4_linears, read_int8_matrices, with_file_codes
 from .layers.parallel import TensorParallelGroup
@@ -35,8 +37,15 @@ def resolve_dtype(requested: str, checkpoint_dtype: torch.dtype | None, device: 
 
 
 def load_hf_config(model_path: str | Path, trust_remote_code: bool = False):
-    from transformers import AutoConfig
+    """transformers' config of the model; Falcon's original RefinedWeb configs as FalconConfig
+    (served natively, no remote code needed)."""
+    from transformers import AutoConfig, FalconConfig
 
+    raw = Path(model_path) / "config.json"
+    if raw.is_file():
+        fields = json.loads(raw.read_text(encoding="utf-8"))
+        if isinstance(fields, dict) and fields.get("model_type") in REFINED_WEB_TYPES:
+            return FalconConfig(**refined_web_as_falcon(fields))
     return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
 
 

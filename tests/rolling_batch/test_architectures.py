@@ -261,3 +261,38 @@ def test_lora_on_a_family_without_it_is_refused_before_start(tmp_path):
     assert serving_path(tmp_path).native == "falcon:FalconForCausalLM"
     with pytest.raises(UnservableModel, match="option.enable_lora is not served on Falcon"):
         serving_path(tmp_path, EngineRequest(enable_lora=True))
+
+
+@pytest.mark.parametrize("variant", ["falcon-7b", "falcon-40b"])
+def test_falcons_original_refined_web_checkpoints_are_served_natively(variant, tmp_path):
+    """tiiuae's first Falcon uploads: config.json with RWForCausalLM, model_type RefinedWeb
+    (40B: n_head_kv) or RefinedWebModel (7B), n_head and n_layer, and remote code transformers
+    runs only when trusted; the weights under the same names. Served as Falcon, no code run."""
+    import json
+
+    from lmserve.rolling_batch.architectures import serving_path
+
+    hf_model = save_tiny(tmp_path, *VARIANTS[variant])
+    fields = json.loads((tmp_path / "config.json").read_text())
+    refined_web = {
+        k: v
+        for k, v in fields.items()
+        if k not in ("num_kv_heads", "new_decoder_architecture", "multi_query")
+    }
+    refined_web["n_head"] = refined_web.pop("num_attention_heads")
+    refined_web["n_layer"] = refined_web.pop("num_hidden_layers")
+    refined_web["architectures"] = ["RWForCausalLM"]
+    refined_web["auto_map"] = {"AutoModelForCausalLM": "modelling_RW.RWForCausalLM"}
+    if variant == "falcon-40b":
+        refined_web.update(model_type="RefinedWeb", n_head_kv=fields["num_kv_heads"])
+    else:
+        refined_web.update(model_type="RefinedWebModel", multi_query=True)
+    (tmp_path / "config.json").write_text(json.dumps(refined_web))
+    assert serving_path(tmp_path).native == "falcon:FalconForCausalLM"
+    options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=16, max_num_seqs=2)
+    runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
+    prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11]
+    (logits,) = runner.execute([SequenceChunk(tuple(prompt), 0, (0, 1), True)])
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([prompt])).logits[0, -1]
+    assert (logits - expected).abs().max() / expected.abs().max() < 1e-4
