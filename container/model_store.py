@@ -77,6 +77,7 @@ def resolve_model(config: ServingConfig, model_dir: Path | None, cache_dir: Path
             trust_remote_code=config.trust_remote_code,
             quantize=config.quantize,
             enable_lora=config.enable_lora,
+            model_impl=config.model_impl,
         )
 
         def check(path: Path) -> None:

@@ -76,6 +76,7 @@ class ServingConfig:
     enable_prefix_caching: bool  # resolved: the default follows paged_attention
     enable_chunked_prefill: bool
     quantize: str | None  # int4/int8 at load, awq/gptq checkpoints; the rolling batch
+    model_impl: str  # auto | native | transformers (architectures.py decides what serves)
     speculative_draft_model: str | None  # "ngram" (prompt lookup) or None: no speculation
     speculative_length: int
     enable_lora: bool

@@ -314,6 +314,9 @@ SETTINGS: tuple[Setting, ...] = (
     # Weight-only int4/int8 on the rolling batch (CPU or GPU); the methods not served are
     # refused by name rather than silently served unquantized.
     Setting("option.quantize", "quantize", quantization, None, ("HF_MODEL_QUANTIZE",)),
+    # vLLM's model_impl: "native" lmserve's own module for the family, "transformers" the
+    # generic path over the model's transformers modules, "auto" native where there is one.
+    Setting("option.model_impl", "model_impl", choice("auto", "native", "transformers"), "auto"),
     # Speculative decoding, LMI's names: the draft model (only "[ngram]", prompt lookup, is
     # served) and the most tokens drafted a step.
     Setting("option.speculative_draft_model", "speculative_draft_model", speculative_drafts, None),

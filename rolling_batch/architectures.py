@@ -150,13 +150,21 @@ class EngineRequest:
     trust_remote_code: bool = False
     quantize: str | None = None
     enable_lora: bool = False
+    model_impl: str = "auto"  # option.model_impl
 
 
 def serving_path(path: Path, wanted: EngineRequest = EngineRequest()) -> ServingPath:
     """The path that serves the model at `path` (an HF directory or a .gguf file) with the
     settings in `wanted`, or UnservableModel naming the architecture, why, and the alternative."""
     names = architectures_of(path)
-    native = native_class(names)
+    native = native_class(names) if wanted.model_impl != "transformers" else None
+    if native is None and wanted.model_impl == "native":
+        supported = ", ".join(sorted(NATIVE_ARCHITECTURES))
+        raise UnservableModel(
+            f"architecture {', '.join(names) or 'none named'}: option.model_impl=native, and"
+            f" lmserve has native modules for {supported}; set option.model_impl=auto to take"
+            " the generic path"
+        )
     if native is not None:
         family = next(f for f in NATIVE_FAMILIES if native[0] in f.architectures)
         if wanted.enable_lora and family.lora.startswith("no"):

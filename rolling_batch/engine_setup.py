@@ -33,6 +33,7 @@ class RuntimeOptions:
     num_kv_blocks: int | None = None  # pins the pool instead of the memory budget
     trust_remote_code: bool = False
     quantize: str | None = None  # option.quantize (model_loader.load_model)
+    model_impl: str = "auto"  # option.model_impl: "transformers" takes the generic path
     # LoRA adapters from <model dir>/adapters/ (lora_manager.py); the option.* names.
     enable_lora: bool = False
     max_loras: int = 4
@@ -54,6 +55,7 @@ class RuntimeOptions:
             num_kv_blocks=config.num_kv_blocks,
             trust_remote_code=config.trust_remote_code,
             quantize=config.quantize,
+            model_impl=config.model_impl,
             enable_lora=config.enable_lora,
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
@@ -91,6 +93,7 @@ def build_runner(
         max_model_len,
         options.quantize,
         options.trust_remote_code,
+        options.model_impl,
     )
     lora = None
     if options.enable_lora:

@@ -91,11 +91,12 @@ def load_model(
     max_model_len: int,
     quantize: str | None = None,
     trust_remote_code: bool = False,
+    model_impl: str = "auto",
 ):
     """`quantize`: option.quantize, None for the checkpoint's own weights (dense, or int4 codes
     when config.json has an AWQ or GPTQ `quantization_config`)."""
-    model_class = model_class_for(hf_config)
-    if model_class is None:  # no native module: the model's own transformers modules
+    model_class = model_class_for(hf_config) if model_impl != "transformers" else None
+    if model_class is None:  # the model's own transformers modules (the generic path)
         if quantize is not None or read_quantization(hf_config, None) is not None:
             raise ValueError("quantized weights are served on the native families only")
         return GenericCausalLM.from_pretrained(

@@ -433,7 +433,7 @@ def test_an_hf_model_the_rolling_batch_cannot_run_is_refused_at_start_up(tmp_pat
     with pytest.raises(SystemExit) as exited:
         main(["serve", "--model-dir", str(model_dir)])
     assert exited.value.code == 2
-    assert "T5ForConditionalGeneration is an encoder-decoder model" in caplog.text
+    assert "T5ForConditionalGeneration (generic path): an encoder-decoder model" in caplog.text
     # engine=Python serves it through transformers: nothing to refuse there.
     python = resolve_as_the_cli_does(
         model_dir, tmp_path / "cache", OPTION_ENGINE="Python", OPTION_ROLLING_BATCH="disable"

@@ -78,6 +78,7 @@ CONTRACT_DEFAULTS = {
     "enable_prefix_caching": True,
     "enable_chunked_prefill": True,
     "quantize": None,
+    "model_impl": "auto",  # vLLM's default: native where the family has a module
     "speculative_draft_model": None,
     "speculative_length": 5,
     "enable_lora": False,

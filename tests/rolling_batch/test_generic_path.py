@@ -227,3 +227,23 @@ def test_attention_sinks_stop_the_load_naming_them():
 
 def test_the_families_tested_here_are_the_ones_the_readme_lists():
     assert {model_name for _, model_name, _ in FAMILIES.values()} == set(GENERIC_TESTED)
+
+
+def test_model_impl_transformers_runs_a_native_family_on_the_generic_path(tmp_path):
+    """option.model_impl (vLLM's): "transformers" serves a Llama through its HF modules, with
+    the native module's logits; "native" refuses a family that has no module."""
+    hf_model = save_tiny(tmp_path / "llama", "LlamaConfig", "LlamaForCausalLM", {})
+    assert serving_path(tmp_path / "llama").native == "llama:LlamaForCausalLM"
+    assert serving_path(tmp_path / "llama", EngineRequest(model_impl="transformers")).native is None
+    prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11]
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([prompt])).logits[0, -1]
+    for impl in ("auto", "transformers"):
+        options = RuntimeOptions(dtype="fp32", max_model_len=64, max_num_seqs=1, model_impl=impl)
+        runner, _, _ = build_runner(tmp_path / "llama", options, TensorParallelGroup())
+        assert isinstance(runner.model, GenericCausalLM) == (impl == "transformers")
+        (logits,) = runner.execute([SequenceChunk(tuple(prompt), 0, (0,), True)])
+        assert (logits - expected).abs().max() / expected.abs().max() < 1e-4
+    save_tiny(tmp_path / "neox", *FAMILIES["gpt-neox"])
+    with pytest.raises(UnservableModel, match="option.model_impl=native"):
+        serving_path(tmp_path / "neox", EngineRequest(model_impl="native"))
