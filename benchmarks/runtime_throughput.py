@@ -50,10 +50,13 @@ def _gflops(matmul, size: int, repeats: int) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - started) / 1e9
 
 
-def batch_runner(model_path, dtype: str, batch: int, max_len: int):
+def batch_runner(model_path, dtype: str, batch: int, max_len: int, model_impl: str = "auto"):
     """(runner, HF config, each sequence's KV blocks): one process, no tensor parallelism,
-    `batch` sequences of up to `max_len` tokens with disjoint blocks."""
-    options = RuntimeOptions(dtype=dtype, max_model_len=max_len, max_num_seqs=batch)
+    `batch` sequences of up to `max_len` tokens with disjoint blocks; `model_impl` as
+    option.model_impl ("transformers": the generic path)."""
+    options = RuntimeOptions(
+        dtype=dtype, max_model_len=max_len, max_num_seqs=batch, model_impl=model_impl
+    )
     runner, hf_config, _ = build_runner(model_path, options, TensorParallelGroup())
     per_seq = -(-max_len // runner.block_size)
     blocks = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
@@ -86,8 +89,11 @@ def median_step_seconds(runner, chunks: list[SequenceChunk], repeats: int) -> fl
     return statistics.median(times)
 
 
-def native(model_path, dtype: str, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
-    runner, _, blocks = batch_runner(model_path, dtype, batch, prompt_len + steps + 1)
+def native(
+    model_path, dtype: str, batch: int, prompt_len: int, steps: int, model_impl: str = "auto"
+) -> tuple[float, float]:
+    """(prefill, decode) tokens/s of the rolling batch's runner."""
+    runner, _, blocks = batch_runner(model_path, dtype, batch, prompt_len + steps + 1, model_impl)
     prefill = prefill_chunks(blocks, prompt_len)
     runner.execute(prefill)  # warm-up: first calls allocate and pick kernels
     started = time.perf_counter()
