@@ -15,10 +15,11 @@ A short probe (the same pair, 200 tokens) gives the step time; the pair is sized
 at that speed. A step never gets cheaper as the context grows, so that lower-bounds its time.
 option.max_model_len (2^18) lifts the model's own 4,096-token context, so a machine up to 30x
 faster still gets a long enough generation. If the pair still ends under 150 s (the machine
-sped up after the probe, e.g. other load stopped), it runs once more, lengthened by TARGET_S /
-its measured time: time grows at least as fast as the length, so that one lasts TARGET_S at
-the speed just measured. Measured on a quiet 2-core CPU: the pair 166-175 s, the whole test
-(model, server, probe, pair) 180-190 s. Other load on the cores only makes it longer.
+sped up after the probe, e.g. other load stopped), it runs again, lengthened by 1.25 TARGET_S /
+its measured time (time grows at least as fast as the length), up to four times: under load
+that comes and goes (a CI run beside other work once had the pair at 105 s after one
+lengthening) a round can be faster than the one that sized it. Measured on a quiet 2-core
+CPU: the pair 166-175 s, the whole test (model, server, probe, pair) 180-190 s.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ MIN_S = 150  # what the issue asks each generation to outlast
 TARGET_S = 160  # what the pair is sized for; attention adds a little
 MAX_MODEL_LEN = 1 << 18
 PROBE_TOKENS = 200
+# A pair that ends under MIN_S (the machine sped up after the measure that sized it) runs again
+# longer, sized from its own time with this margin, at most this many times: a speed that keeps
+# changing only makes more rounds, never a shorter pair.
+MARGIN = 1.25
+MAX_RETRIES = 4
 PROMPT = "Once upon a time"
 
 
@@ -159,10 +165,14 @@ def test_generations_over_150_s_are_never_cut_by_a_short_predict_timeout(server)
     assert num_tokens <= fits, f"{step_s=}: {MAX_MODEL_LEN} tokens last under {TARGET_S} s"
 
     pair = run_pair(server, num_tokens)
-    if pair.shorter_s < MIN_S:  # sped up since the probe: its measure is the better one now
+    for _ in range(MAX_RETRIES):
+        if pair.shorter_s >= MIN_S:
+            break
+        # Sped up since the last measure (other load on the machine stopped): the pair just
+        # run is the better measure; lengthened with a margin against speeding up again.
         check_answered_in_full(pair)
-        longer = math.ceil(num_tokens * TARGET_S / pair.shorter_s)
-        print(f"{num_tokens} tokens took {pair.shorter_s:.0f} s; again with {longer}")
+        longer = math.ceil(pair.num_tokens * MARGIN * TARGET_S / pair.shorter_s)
+        print(f"{pair.num_tokens} tokens took {pair.shorter_s:.0f} s; again with {longer}")
         pair = run_pair(server, min(longer, fits))
     print(f"{pair.num_tokens} tokens: stream {pair.stream_s:.0f} s, plain {pair.plain_s:.0f} s")
 
