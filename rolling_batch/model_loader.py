@@ -99,9 +99,11 @@ def load_model(
     if model_class is None:  # the model's own transformers modules (the generic path)
         if quantize is not None or read_quantization(hf_config, None) is not None:
             raise ValueError("quantized weights are served on the native families only")
-        return GenericCausalLM.from_pretrained(
+        model = GenericCausalLM.from_pretrained(
             model_path, dtype, device, group.world_size, trust_remote_code
         )
+        model.pack_weights()
+        return model
     checkpoint = read_quantization(hf_config, quantize)
     method = checkpoint.method if checkpoint is not None else quantize
     # Parameters are created in the serving dtype; rotary tables stay fp32 (built explicitly so).
