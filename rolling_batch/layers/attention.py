@@ -30,6 +30,35 @@ class AttentionMetadata:
     # returns only theirs, and may skip the last layer's work past attention for the others.
     output_rows: torch.Tensor | None = None
 
+    def store_and_attend(
+        self,
+        query: torch.Tensor,  # [T, q_heads, head_dim], rotated
+        key: torch.Tensor,  # [T, kv_heads, head_dim], rotated
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """One layer's attention for the step: its new K/V into the cache, then every query
+        row over its sequence's keys (kernels/paged_attention.py); [T, q_heads, head_dim]."""
+        k_cache, v_cache = kv_cache
+        store_kv(key, value, k_cache, v_cache, self.slot_mapping)
+        return paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            scale,
+            self.max_query_len,
+            self.max_seq_len,
+            self.reference_plan,
+            window=window,
+            softcap=softcap,
+        )
+
 
 class Attention(nn.Module):
     def __init__(
@@ -78,20 +107,8 @@ class Attention(nn.Module):
             query_key = self._normed_query_key(qkv)
         query, key = rope.rotate(query_key).split([num_q, num_kv], dim=1)
         value = qkv[:, q_size + kv_size :].view(num_tokens, num_kv, self.head_dim)
-        k_cache, v_cache = kv_cache
-        store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(
-            query,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            self.scale,
-            meta.max_query_len,
-            meta.max_seq_len,
-            meta.reference_plan,
-            window=self.sliding_window,
+        out = meta.store_and_attend(
+            query, key, value, kv_cache, self.scale, window=self.sliding_window
         )
         return self.o_proj(out.reshape(num_tokens, q_size))
 

@@ -21,8 +21,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lmserve.kernels import paged_attention, store_kv
-
 from ..layers.attention import AttentionMetadata
 from ..layers.cpu_matmul import DenseWeight, try_pack
 
@@ -74,21 +72,13 @@ def paged_attention_forward(
             tuple(key.shape[1:]), tuple(value.shape[1:]), tuple(sorted(extras))
         )
         return query.new_zeros(*query.shape[:2], value.shape[-1])[None], None
-    meta = step.meta
-    k_cache, v_cache = step.kv_caches[layer]
-    store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_attention(
+    out = step.meta.store_and_attend(
         query,
-        k_cache,
-        v_cache,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.query_start_loc,
+        key,
+        value,
+        step.kv_caches[layer],
         scale,
-        meta.max_query_len,
-        meta.max_seq_len,
-        meta.reference_plan,
         window=kwargs.get("sliding_window"),
         softcap=kwargs.get("softcap"),
     )

@@ -17,16 +17,11 @@ from lmserve.rolling_batch.step import SequenceChunk
 
 from ..conftest import TEST_CACHE_DIR
 from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
+from .tiny_families import COMMON, assert_steps_match_hf
+from .tiny_families import save_tiny as save_family
 
-COMMON = dict(
-    vocab_size=300,
-    hidden_size=48,
-    intermediate_size=80,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
+# Grouped-query attention in every variant here: 3 query heads a KV head.
+KV_HEADS = dict(num_key_value_heads=2)
 VARIANTS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
@@ -80,18 +75,8 @@ VARIANTS = {
 }
 
 
-def save_tiny(folder, config_name, model_name, extra):
-    config = getattr(transformers, config_name)(**COMMON, **extra)
-    torch.manual_seed(1)
-    model = getattr(transformers, model_name)(config).eval()
-    with torch.no_grad():  # random biases and norms: zeros and ones would hide a missing one
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.5)
-            elif name.endswith("norm.weight"):
-                param.normal_(1, 0.2)
-    model.save_pretrained(folder)
-    return model
+def save_tiny(folder, config_name, model_name, extra, **sizes):
+    return save_family(folder, config_name, model_name, extra, **KV_HEADS, **sizes)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -100,18 +85,7 @@ def test_variant_matches_hf(variant, block_size, tmp_path):
     hf_model = save_tiny(tmp_path, *VARIANTS[variant])
     options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=block_size, max_num_seqs=2)
     runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
-    prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11]
-    blocks = tuple(range(runner.num_blocks // 2))
-    # A prompt in two chunks, then one decode token.
-    steps = [(prompt[:6], 0), (prompt[6:], 6), ([123], len(prompt))]
-    sequence = []
-    for new, computed in steps:
-        sequence += new
-        (logits,) = runner.execute([SequenceChunk(tuple(new), computed, blocks, True)])
-        with torch.inference_mode():
-            expected = hf_model(torch.tensor([sequence])).logits[0, -1]
-        error = (logits - expected).abs().max() / expected.abs().max()
-        assert error < 1e-4, f"{variant}: relative error {error:.2e}"
+    assert_steps_match_hf(runner, hf_model, variant)
 
 
 @pytest.mark.parametrize(
@@ -179,17 +153,7 @@ def test_sliding_window_past_the_window_matches_hf(variant, block_size, tmp_path
     assert windows == (
         [None, 4] if variant == "qwen2" else [WINDOWED[variant][2]["sliding_window"]] * 2
     )
-    prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11]
-    blocks = tuple(range(runner.num_blocks // 2))
-    steps = [(prompt[:6], 0), (prompt[6:], 6), ([123], len(prompt)), ([45], len(prompt) + 1)]
-    sequence = []
-    for new, computed in steps:
-        sequence += new
-        (logits,) = runner.execute([SequenceChunk(tuple(new), computed, blocks, True)])
-        with torch.inference_mode():
-            expected = hf_model(torch.tensor([sequence])).logits[0, -1]
-        error = (logits - expected).abs().max() / expected.abs().max()
-        assert error < 1e-4, f"{variant}: relative error {error:.2e}"
+    logits, sequence = assert_steps_match_hf(runner, hf_model, variant, decodes=2)
     # The same weights seeing every key answer otherwise: the window is what matched.
     config_name, model_name, extra = WINDOWED[variant]
     windowless = {
@@ -217,7 +181,7 @@ def test_int8_weights_give_hf_logits_on_the_dequantized_weights(variant, tmp_pat
     from lmserve.rolling_batch.layers.quantized import dequantize_int8, quantize_int8
 
     config_name, model_name, extra = VARIANTS[variant]
-    sizes = dict(COMMON, hidden_size=64, intermediate_size=96, num_attention_heads=4)
+    sizes = dict(COMMON, **KV_HEADS, hidden_size=64, intermediate_size=96, num_attention_heads=4)
     config = getattr(transformers, config_name)(**sizes, **extra)
     torch.manual_seed(1)
     hf_model = getattr(transformers, model_name)(config).eval()

@@ -23,15 +23,8 @@ from lmserve.rolling_batch.step import SequenceChunk
 
 from ..conftest import TEST_CACHE_DIR
 from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
+from .tiny_families import COMMON, assert_steps_match_hf, save_tiny
 
-COMMON = dict(
-    vocab_size=300,
-    hidden_size=48,
-    intermediate_size=80,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    max_position_embeddings=128,
-)
 # Families with no native module, each with what sets it apart from Llama.
 FAMILIES = {
     # Parallel residual, partial rotary, fused interleaved QKV.
@@ -96,21 +89,6 @@ FAMILIES = {
 }
 
 
-def save_tiny(folder, config_name, model_name, extra, **overrides):
-    config = getattr(transformers, config_name)(**{**COMMON, **overrides}, **extra)
-    config.architectures = [model_name]
-    torch.manual_seed(1)
-    model = getattr(transformers, model_name)(config).eval()
-    with torch.no_grad():  # random biases and norms: zeros and ones would hide a missing one
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.5)
-            elif "norm" in name and name.endswith("weight"):
-                param.normal_(1, 0.2)
-    model.save_pretrained(folder)
-    return model
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("paged", [True, False])
 def test_family_gives_hf_logits_through_the_paged_cache(family, paged, tmp_path):
@@ -121,17 +99,7 @@ def test_family_gives_hf_logits_through_the_paged_cache(family, paged, tmp_path)
     )
     runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
     assert isinstance(runner.model, GenericCausalLM)
-    prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11]
-    blocks = tuple(range(runner.num_blocks // 2))
-    steps = [(prompt[:6], 0), (prompt[6:], 6), ([123], len(prompt))]
-    sequence = []
-    for new, computed in steps:
-        sequence += new
-        (logits,) = runner.execute([SequenceChunk(tuple(new), computed, blocks, True)])
-        with torch.inference_mode():
-            expected = hf_model(torch.tensor([sequence])).logits[0, -1]
-        error = (logits - expected).abs().max() / expected.abs().max()
-        assert error < 1e-4, f"{family}: relative error {error:.2e}"
+    assert_steps_match_hf(runner, hf_model, family)
 
 
 @pytest.mark.parametrize(
