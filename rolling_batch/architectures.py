@@ -138,7 +138,7 @@ class ServingPath:
             )
         return (
             f"model architecture {self.architecture}: the rolling batch's generic path (the"
-            " model's transformers modules over lmserve's paged attention; no native module)"
+            " model's transformers modules over lmserve's paged attention)"
         )
 
 
@@ -200,7 +200,10 @@ def _generic_refusal(path: Path, wanted: EngineRequest) -> str | None:
         str(wanted.tensor_parallel_degree),
         "1" if wanted.trust_remote_code else "0",
     ]
-    done = subprocess.run(args, capture_output=True, text=True, check=False)
+    try:  # reading a config takes seconds; the bound only keeps start-up from hanging
+        done = subprocess.run(args, capture_output=True, text=True, check=False, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "transformers did not read its config within 300 s"
     try:
         return json.loads(done.stdout.strip().splitlines()[-1])["refusal"]
     except (IndexError, ValueError, KeyError):
