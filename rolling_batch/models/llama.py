@@ -27,7 +27,7 @@ from ..layers.linear import MergedColumnLinear, RowLinear
 from ..layers.lora import LoraSlots, LoraStep
 from ..layers.norm_and_rotary import RMSNorm, RotaryEmbedding
 from ..layers.parallel import TensorParallelGroup, balanced_split, shard_heads
-from ..layers.quantized import GROUP_SIZE, QuantizedWeight, can_quantize
+from ..layers.quantized import GROUP_SIZE, QuantizedWeight
 from ..lora_adapters import linear_shapes
 from .native_stack import native_stack
 
@@ -270,15 +270,16 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, PackableLinear):
                 module.pack(quantize)
-        head = self._lm_head_weight().data
-        if quantize is not None and not can_quantize(head):
+        # (the hidden size, not the weight's shape: int8 codes from a GGUF left it empty)
+        groups_fit = self.config.hidden_size % GROUP_SIZE == 0
+        if quantize is not None and not groups_fit:
             log.warning(
                 "%s: the embedding and LM head stay dense (hidden size %d no multiple of %d)",
                 quantize,
-                head.shape[1],
+                self.config.hidden_size,
                 GROUP_SIZE,
             )
-        if quantize is None or not can_quantize(head):
+        if quantize is None or not groups_fit:
             self.lm_head_packed = try_pack(self._lm_head_weight().data)
             # Its exact logits are the fp32 panels' bits; with TP each rank holds a slice.
             whole = self.model.embed_tokens.group.world_size == 1
