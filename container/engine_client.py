@@ -9,7 +9,9 @@ request instead of leaving it hanging.
 Stats (for /metrics and /models) come from the engine between its steps or, for engine=Python,
 between its batches, which take seconds under load. So the thread keeps the newest stats any
 answer brought and asks for fresh ones every few seconds: a scrape the engine cannot answer at
-once gets those, with their age, instead of waiting out the batch.
+once gets those, with their age, instead of waiting out the batch. Each worker also leaves the
+newest it heard in a file beside the engine's state, so a worker that has none of its own (one
+gunicorn started or restarted while the engine was busy) answers with another's, not "down".
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import queue
 import threading
 import time
 import uuid
+from pathlib import Path
 
+import msgspec
 import zmq
 
 from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.runtime import Runtime, read_state
+from lmserve.rolling_batch.runtime import Runtime, read_state, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,7 @@ _STATE_CHECK_S = 0.5
 _STATS_REFRESH_S = 5.0
 _REFRESH_ID = "stats-refresh"  # answers to the I/O thread's own requests, routed to no one
 _REFRESH_RETRY_S = 60.0  # a refresh unanswered this long was lost (say the engine restarted)
+SHARED_STATS_FILE = "stats.json"  # the newest stats any web worker heard: {"stats", "received"}
 
 
 class EngineClient:
@@ -95,8 +100,32 @@ class EngineClient:
             pass
         finally:
             self.finish(stats_id, abort=False)
-        latest = self._latest_stats  # no answer, or an error event instead of stats
-        return None if latest is None else (latest[0], time.monotonic() - latest[1])
+        # No answer, or an error event instead of stats: the newest this worker or another has.
+        known = []
+        if (latest := self._latest_stats) is not None:
+            known.append((latest[0], time.monotonic() - latest[1]))
+        if (shared := self._shared_stats()) is not None:
+            known.append(shared)
+        return min(known, key=lambda stats_and_age: stats_and_age[1], default=None)
+
+    def _shared_stats(self) -> tuple[dict, float] | None:
+        """The copy another worker left, with its age; None when there is none or it came from
+        an engine before the one serving now (the state's `since` is when it became ready)."""
+        state = self.state()
+        if state["state"] != protocol.EngineState.READY:
+            return None
+        try:
+            shared = msgspec.json.decode(self._shared_stats_path.read_bytes())
+            stats, received = shared["stats"], float(shared["received"])
+        except (FileNotFoundError, msgspec.DecodeError, KeyError, TypeError, ValueError):
+            return None
+        if received < state.get("since", float("inf")):
+            return None
+        return stats, max(0.0, time.time() - received)
+
+    @property
+    def _shared_stats_path(self) -> Path:
+        return Path(self.runtime.ipc_dir) / SHARED_STATS_FILE
 
     def notify(self, message: protocol.CountResponse) -> None:
         """Sends a message that gets no reply."""
@@ -183,6 +212,8 @@ class EngineClient:
         for event in events:
             if isinstance(event, protocol.StatsEvent):
                 self._latest_stats = (event.stats, time.monotonic())
+                shared = {"stats": event.stats, "received": time.time()}
+                write_atomically(self._shared_stats_path, msgspec.json.encode(shared).decode())
                 if event.id == _REFRESH_ID:
                     self._refresh_sent_at = None
 

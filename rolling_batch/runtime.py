@@ -44,7 +44,7 @@ class Runtime:
 
     def write(self) -> Path:
         path = Path(self.ipc_dir) / RUNTIME_FILE
-        _write_atomically(path, self.to_json())
+        write_atomically(path, self.to_json())
         return path
 
     def to_json(self) -> str:
@@ -62,7 +62,7 @@ class Runtime:
 
 def write_state(runtime: Runtime, state: EngineState, reason: str = "", **details) -> None:
     record = {"state": state, "reason": reason, "since": time.time(), **details}
-    _write_atomically(runtime.state_path, json.dumps(record))
+    write_atomically(runtime.state_path, json.dumps(record))
 
 
 def read_state(runtime: Runtime) -> dict:
@@ -72,7 +72,7 @@ def read_state(runtime: Runtime) -> dict:
         return {"state": EngineState.LOADING, "reason": "engine starting"}
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
     # Readers poll these files; a rename never shows them a half-written one.
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(text)

@@ -95,3 +95,22 @@ def answer_next(engine, stats: dict) -> None:
 
 def test_no_stats_before_the_engine_ever_answered(runtime, engine):
     assert EngineClient(runtime).stats(timeout=0.1) is None
+
+
+def test_a_worker_without_stats_of_its_own_answers_with_another_workers(runtime, engine):
+    """A gunicorn worker started (or restarted) while the engine is deep in a batch has heard
+    nothing yet: it serves the newest stats another worker heard, with their age, instead of
+    reporting the engine down; stats heard from an engine before the one now ready are not."""
+    write_state(runtime, protocol.EngineState.READY)
+    first = EngineClient(runtime)
+    identity, refresh = receive(engine)
+    engine.send_multipart([identity, protocol.encode(protocol.StatsEvent(refresh.id, {"n": 7}))])
+    deadline = time.monotonic() + 60
+    while first._latest_stats is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    late = EngineClient(runtime)  # its refresh goes unanswered: the engine is busy
+    stats, age = late.stats(timeout=0.1)
+    assert stats == {"n": 7} and age >= 0.1
+    write_state(runtime, protocol.EngineState.READY)  # a restarted engine, ready afresh
+    assert late.stats(timeout=0.1) is None
