@@ -35,7 +35,11 @@ class NativeFamily:
 
 
 _CHECKPOINT_QUANTIZED = "int4, int8, AWQ, GPTQ"
+# Quantized checkpoints served (4-bit; rolling_batch/quantized_checkpoint.py reads them).
+CHECKPOINT_METHODS = ("awq", "gptq")
 _WINDOW_NOTE = "sliding windows served (past the window, through the torch attention)"
+_MOE_LORA = "no (refused at start-up)"
+_MOE_NOTE = "experts split across TP ranks (each expert's columns)"
 # GGUF files are served for the families whose GGUF tensors lmserve also reads as codes
 # (option.quantize takes them from the file under Llama's names): Phi-3's fused and Falcon's
 # tensors are not, so their GGUF files are refused by name (their safetensors are served).
@@ -81,6 +85,27 @@ NATIVE_FAMILIES = (
         lora="no (refused at start-up)",
         notes="ALiBi variants refused",
     ),
+    NativeFamily(
+        "Mixtral (MoE)",
+        ("MixtralForCausalLM",),
+        "moe:MixtralForCausalLM",
+        lora=_MOE_LORA,
+        notes=_MOE_NOTE,
+    ),
+    NativeFamily(
+        "Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B)",
+        ("Qwen2MoeForCausalLM",),
+        "moe:Qwen2MoeForCausalLM",
+        lora=_MOE_LORA,
+        notes=_MOE_NOTE + "; shared expert",
+    ),
+    NativeFamily(
+        "Qwen3-MoE",
+        ("Qwen3MoeForCausalLM",),
+        "moe:Qwen3MoeForCausalLM",
+        lora=_MOE_LORA,
+        notes=_MOE_NOTE,
+    ),
 )
 # Families with no native module that the generic path is tested on against HF
 # (tests/rolling_batch/test_generic_path.py): architecture -> family.
@@ -92,8 +117,6 @@ GENERIC_TESTED = {
     "Gemma2ForCausalLM": "Gemma 2",
     "Gemma3ForCausalLM": "Gemma 3 (text)",
     "CohereForCausalLM": "Command R (Cohere)",
-    "MixtralForCausalLM": "Mixtral (MoE)",
-    "Qwen2MoeForCausalLM": "Qwen2-MoE",
 }
 # HF architecture name -> "module:class" that serves it natively.
 NATIVE_ARCHITECTURES = {
@@ -165,8 +188,14 @@ def serving_path(path: Path, wanted: EngineRequest = EngineRequest()) -> Serving
             f" lmserve has native modules for {supported}; set option.model_impl=auto to take"
             " the generic path"
         )
+    method = _checkpoint_quantization(path)
     if native is not None:
         family = next(f for f in NATIVE_FAMILIES if native[0] in f.architectures)
+        if method is not None and not (method in CHECKPOINT_METHODS and "AWQ" in family.quantize):
+            raise UnservableModel(
+                f"architecture {native[0]}: {_quantized_checkpoints(method)};"
+                f" {family.family} takes option.quantize=int4 or int8 on its dense checkpoint"
+            )
         if wanted.enable_lora and family.lora.startswith("no"):
             raise UnservableModel(
                 f"architecture {native[0]}: option.enable_lora is not served on {family.family};"
@@ -182,6 +211,8 @@ def serving_path(path: Path, wanted: EngineRequest = EngineRequest()) -> Serving
             f" and other HF checkpoints (not GGUF files) on its generic path; {ALTERNATIVE}"
         )
     refusal = _generic_refusal(path, wanted)
+    if refusal is None and method is not None:
+        refusal = _quantized_checkpoints(method)
     if refusal is None and wanted.quantize is not None:
         refusal = f"option.quantize={wanted.quantize} is served on the native families only"
     if refusal is None and wanted.enable_lora:
@@ -189,6 +220,27 @@ def serving_path(path: Path, wanted: EngineRequest = EngineRequest()) -> Serving
     if refusal is not None:
         raise UnservableModel(f"architecture {named} (generic path): {refusal}; {ALTERNATIVE}")
     return ServingPath(names[0] if names else "unnamed", None)
+
+
+def _checkpoint_quantization(path: Path) -> str | None:
+    """config.json's quantization_config.quant_method ("awq", "gptq"), None for a dense
+    checkpoint (or a GGUF file, whose codes lmserve reads itself)."""
+    if path.suffix == ".gguf":
+        return None
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    return None if method is None else str(method).lower()
+
+
+def _quantized_checkpoints(method: str) -> str:
+    """What a refusal of a checkpoint quantized with `method` says is served."""
+    families = ", ".join(
+        name for f in NATIVE_FAMILIES if "AWQ" in f.quantize for name in f.architectures
+    )
+    return (
+        f"a checkpoint quantized with {method} (config.json quantization_config); 4-bit AWQ"
+        f" and GPTQ checkpoints are served on {families}"
+    )
 
 
 def _generic_refusal(path: Path, wanted: EngineRequest) -> str | None:

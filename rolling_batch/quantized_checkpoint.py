@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .architectures import CHECKPOINT_METHODS
 from .layers.quantized import GROUP_SIZE, KERNEL_GROUP_SIZES
 
-CHECKPOINT_METHODS = ("awq", "gptq")
 _AWQ_COLUMN_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # output 8j + c sits in nibble [c] of word j
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 _PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx")}

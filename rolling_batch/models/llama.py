@@ -16,17 +16,16 @@ from lmserve.kernels import cpu_native
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.cpu_matmul import (
     DenseWeight,
-    NativeGatedWeight,
     NativeLinearWeight,
     PackableLinear,
     try_pack,
 )
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding, take_int8
 from ..layers.greedy_head import GreedyHead
-from ..layers.linear import MergedColumnLinear, RowLinear
 from ..layers.lora import LoraSlots, LoraStep
+from ..layers.mlp import GatedMLP
 from ..layers.norm_and_rotary import RMSNorm, RotaryEmbedding
-from ..layers.parallel import TensorParallelGroup, balanced_split, shard_heads
+from ..layers.parallel import TensorParallelGroup, shard_heads
 from ..layers.quantized import GROUP_SIZE, QuantizedWeight
 from ..lora_adapters import linear_shapes
 from .native_stack import native_stack
@@ -52,36 +51,8 @@ class BlockVariant:
     scaled_embedding: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config, group: TensorParallelGroup, activation: str = "silu"):
-        super().__init__()
-        self.activation = activation
-        bias = getattr(config, "mlp_bias", False)
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(
-            config.hidden_size, [size, size], group, bias, gated=True
-        )
-        start, local = balanced_split(size, group.world_size, group.rank)
-        self.down_proj = RowLinear(start, local, config.hidden_size, group, bias)
-        self.local = local
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "gelu_tanh":  # the C++ ops fuse SiLU only
-            gate, up = self.gate_up_proj(x).split(self.local, dim=-1)
-            return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
-        packed = self.gate_up_proj.packed
-        if isinstance(packed, NativeGatedWeight) and not self.gate_up_proj.adapters_active:
-            return self.down_proj(packed.silu_and_mul(x, self.gate_up_proj.bias))
-        gate_up = self.gate_up_proj(x)
-        native = cpu_native.ops_for(gate_up)
-        if native is not None:
-            return self.down_proj(native.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.local, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
-
-
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, head_dim, group, qkv_bias: bool, o_bias: bool, variant):
+    def __init__(self, config, head_dim, group, qkv_bias: bool, o_bias: bool, variant, mlp):
         super().__init__()
         heads = shard_heads(
             config.num_attention_heads, config.num_key_value_heads, group.world_size, group.rank
@@ -95,7 +66,7 @@ class LlamaDecoderLayer(nn.Module):
             o_bias,
             qk_norm_eps=config.rms_norm_eps if variant.qk_norm else None,
         )
-        self.mlp = LlamaMLP(config, group, variant.activation)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -119,15 +90,24 @@ class LlamaModel(nn.Module):
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        # Qwen2 biases Q/K/V but not O; Llama's attention_bias covers both.
+        # Qwen2 biases Q/K/V but not O (Qwen2-MoE says so: qkv_bias); Llama's attention_bias
+        # covers both.
         is_qwen2 = "Qwen2ForCausalLM" in (config.architectures or [])
         o_bias = getattr(config, "attention_bias", False)
-        qkv_bias = o_bias or is_qwen2
+        qkv_bias = o_bias or is_qwen2 or getattr(config, "qkv_bias", False)
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim, group, qkv_bias, o_bias, variant)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(
+                config,
+                head_dim,
+                group,
+                qkv_bias,
+                o_bias,
+                variant,
+                self.make_mlp(config, group, variant, i),
+            )
+            for i in range(config.num_hidden_layers)
         )
         for layer, window in zip(self.layers, sliding_windows(config, max_positions)):
             layer.self_attn.sliding_window = window
@@ -136,6 +116,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.native_stack = None  # set by LlamaForCausalLM.pack_weights where it applies
         self.lora_step: LoraStep | None = None  # LoRA: the stack serves steps without adapters
+
+    def make_mlp(self, config, group, variant: BlockVariant, layer_index: int) -> nn.Module:
+        """Layer `layer_index`'s MLP (a mixture of experts in the families with one:
+        models/moe.py)."""
+        bias = getattr(config, "mlp_bias", False)
+        size = config.intermediate_size
+        return GatedMLP(config.hidden_size, size, group, variant.activation, bias)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         if self._stack_serves():

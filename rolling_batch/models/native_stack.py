@@ -15,6 +15,7 @@ import logging
 from lmserve.kernels import cpu_native
 
 from ..layers.cpu_matmul import NativeGatedWeight, NativeLinearWeight, PackedWeight
+from ..layers.mlp import GatedMLP
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ def native_stack(model):
     quantized ones and a GPU's are, tensor parallel (all-reduces between the ops), per-head
     query and key norms (Qwen3's), a partial rotation (Phi-3's), GELU or scaled embeddings
     (Gemma's), a sliding window shorter than the context, which the C++ layer does not have
-    yet."""
+    yet, or a mixture of experts."""
     native = cpu_native.ops_for(model.norm.weight)
     if not model.native_stack_layers or native is None:
         return None
@@ -35,6 +36,8 @@ def native_stack(model):
     kinds = set()
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, GatedMLP):
+            return None
         others = (attention.qkv_proj, attention.o_proj, mlp.down_proj)
         kinds.add((type(mlp.gate_up_proj.packed), *{type(linear.packed) for linear in others}))
         if attention.o_proj.group.world_size > 1 or mlp.down_proj.group.world_size > 1:

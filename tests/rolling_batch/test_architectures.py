@@ -55,6 +55,38 @@ VARIANTS = {
             },
         ),
     ),
+    # Mixtures of experts (4 experts, top 2): Mixtral's w1/w2/w3 names, renormalised weights;
+    # Qwen2-MoE's Q/K/V biases, gated shared expert, a dense layer (mlp_only_layers), weights
+    # not renormalised; Qwen3-MoE's q/k norms and head_dim.
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+    ),
+    "qwen2-moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=40,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
     "llama-biases-untied-llama3-rope": (
         "LlamaConfig",
         "LlamaForCausalLM",
@@ -97,11 +129,14 @@ def test_variant_matches_hf(variant, block_size, tmp_path):
         ("gemma", True),
         ("falcon-40b", True),
         ("falcon-7b", False),
+        ("mixtral", True),
+        ("qwen2-moe", False),
     ],
 )
 def test_over_two_ranks_gives_hf_greedy_tokens(variant, paged, tmp_path, smollm2_dir):
     """3 query heads and 1 KV head a rank, paged and contiguous: Qwen3's per-head q/k norms
-    whole on each rank; Phi-3's fused checkpoint matrices split, then sharded by head."""
+    whole on each rank; Phi-3's fused checkpoint matrices split, then sharded by head; each
+    expert's columns split (unevenly: 40 shared-expert columns a rank of 20, 32 of 16)."""
     hf_model = save_tiny(tmp_path, *VARIANTS[variant])
     transformers.AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(tmp_path)  # LLM's
     hf_model.generation_config.eos_token_id = None  # random weights: run the whole length
@@ -173,11 +208,14 @@ def test_a_window_as_long_as_the_context_is_plain_attention(tmp_path):
     assert all(layer.self_attn.sliding_window is None for layer in runner.model.model.layers)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "gemma", "phi3", "falcon-7b", "falcon-40b"])
+@pytest.mark.parametrize(
+    "variant", ["qwen3", "gemma", "phi3", "falcon-7b", "falcon-40b", "mixtral", "qwen3-moe"]
+)
 def test_int8_weights_give_hf_logits_on_the_dequantized_weights(variant, tmp_path):
-    """option.quantize=int8 on each native family: every linear, the embedding and the LM head
-    (their inputs a multiple of 32 wide here) as HF computes on the same weights quantized and
-    dequantized, whatever the family fuses or names them."""
+    """option.quantize=int8 on each native family: every linear (each expert's too; routers
+    stay as they are), the embedding and the LM head (their inputs a multiple of 32 wide here)
+    as HF computes on the same weights quantized and dequantized, whatever the family fuses or
+    names them."""
     from lmserve.rolling_batch.layers.quantized import dequantize_int8, quantize_int8
 
     config_name, model_name, extra = VARIANTS[variant]
@@ -190,6 +228,10 @@ def test_int8_weights_give_hf_logits_on_the_dequantized_weights(variant, tmp_pat
         for module in hf_model.modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
                 module.weight.data = dequantize_int8(*quantize_int8(module.weight.data))
+        for name, param in hf_model.named_parameters():
+            if ".experts." in name:  # [experts, out, in] in transformers' expert modules
+                for expert in param.data:
+                    expert.copy_(dequantize_int8(*quantize_int8(expert)))
     options = RuntimeOptions(
         dtype="fp32", max_model_len=64, block_size=16, max_num_seqs=2, quantize="int8"
     )
@@ -218,12 +260,16 @@ def test_a_hidden_size_int8_cannot_group_keeps_the_embedding_dense(tmp_path):
     assert (logits - expected).abs().max() / expected.abs().max() < 1e-4
 
 
-def test_lora_on_a_family_without_it_is_refused_before_start(tmp_path):
+@pytest.mark.parametrize(
+    ("variant", "family"), [("falcon-7b", "Falcon"), ("mixtral", "Mixtral"), ("qwen3-moe", "Qwen3")]
+)
+def test_lora_on_a_family_without_it_is_refused_before_start(variant, family, tmp_path):
     from lmserve.rolling_batch.architectures import EngineRequest, UnservableModel, serving_path
 
-    save_tiny(tmp_path, *VARIANTS["falcon-7b"])
-    assert serving_path(tmp_path).native == "falcon:FalconForCausalLM"
-    with pytest.raises(UnservableModel, match="option.enable_lora is not served on Falcon"):
+    config_name, model_name, extra = VARIANTS[variant]
+    save_tiny(tmp_path, config_name, model_name, extra)
+    assert serving_path(tmp_path).native.endswith(f":{model_name}")
+    with pytest.raises(UnservableModel, match=f"option.enable_lora is not served on {family}"):
         serving_path(tmp_path, EngineRequest(enable_lora=True))
 
 
@@ -260,3 +306,23 @@ def test_falcons_original_refined_web_checkpoints_are_served_natively(variant, t
     with torch.inference_mode():
         expected = hf_model(torch.tensor([prompt])).logits[0, -1]
     assert (logits - expected).abs().max() / expected.abs().max() < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("variant", "method"), [("qwen3", "awq"), ("mixtral", "gptq"), ("qwen2", "fp8")]
+)
+def test_a_quantized_checkpoint_no_loader_reads_is_refused_before_start(variant, method, tmp_path):
+    """AWQ and GPTQ checkpoints are read on the Llama-named families; elsewhere, and any other
+    method anywhere, stops start-up naming the method and where it is served (it failed
+    inside the engine once the server was up)."""
+    import json
+
+    from lmserve.rolling_batch.architectures import UnservableModel, serving_path
+
+    save_tiny(tmp_path, *VARIANTS[variant])
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    expected = rf"quantized with {method}.*served on LlamaForCausalLM, MistralForCausalLM"
+    with pytest.raises(UnservableModel, match=expected):
+        serving_path(tmp_path)

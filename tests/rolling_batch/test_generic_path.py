@@ -68,24 +68,6 @@ FAMILIES = {
     ),
     # Parallel attention and MLP, logits multiplied by logit_scale.
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_key_value_heads=2, logit_scale=0.5)),
-    # Mixture of experts: 4 experts, top 2.
-    "mixtral": (
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
-    ),
-    # Experts plus a gated shared expert.
-    "qwen2-moe": (
-        "Qwen2MoeConfig",
-        "Qwen2MoeForCausalLM",
-        dict(
-            num_key_value_heads=2,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=40,
-        ),
-    ),
 }
 
 
@@ -103,7 +85,7 @@ def test_family_gives_hf_logits_through_the_paged_cache(family, paged, tmp_path)
 
 
 @pytest.mark.parametrize(
-    ("family", "drafts"), [("gpt-neox", None), ("granite", "[ngram]"), ("mixtral", None)]
+    ("family", "drafts"), [("gpt-neox", None), ("granite", "[ngram]"), ("gemma3", None)]
 )
 def test_batched_generation_gives_hf_greedy_tokens(family, drafts, tmp_path, smollm2_dir):
     """Prompts of different lengths generated together (one packed row a step, each with its

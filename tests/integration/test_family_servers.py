@@ -1,6 +1,7 @@
-"""A family with no native module (GPT-NeoX) served over HTTP by the rolling batch's generic
-path: the start-up log names the path, and concurrent requests, streamed and not, get HF's
-greedy tokens."""
+"""Families beyond Llama served over HTTP by the rolling batch: Falcon (40B-style: grouped KV
+heads, two LayerNorms) and Mixtral (a mixture of experts) on their native modules, GPT-NeoX
+(no native module) on the generic path. The start-up log names the path, and concurrent
+requests, streamed and not, get HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -21,21 +22,37 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 MAX_NEW = 16
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory, smollm2_dir):
-    folder = tmp_path_factory.mktemp("generic-neox")
-    config = transformers.GPTNeoXConfig(
-        vocab_size=49152,  # SmolLM2's tokenizer
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        rotary_pct=0.5,
-        max_position_embeddings=512,
-        architectures=["GPTNeoXForCausalLM"],
-    )
+SIZES = dict(
+    vocab_size=49152,  # SmolLM2's tokenizer
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+)
+# architecture -> (its config's fields beyond SIZES, the start-up line naming its path)
+FAMILIES = {
+    "GPTNeoXForCausalLM": (dict(rotary_pct=0.5), "the rolling batch's generic path"),
+    "FalconForCausalLM": (
+        dict(new_decoder_architecture=True, num_kv_heads=2),
+        "the rolling batch's native falcon:FalconForCausalLM",
+    ),
+    "MixtralForCausalLM": (
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+        "the rolling batch's native moe:MixtralForCausalLM",
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def served(request, tmp_path_factory, smollm2_dir):
+    architecture = request.param
+    folder = tmp_path_factory.mktemp(architecture)
+    fields, _ = FAMILIES[architecture]
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    config = config_class(**SIZES, **fields, architectures=[architecture])
     torch.manual_seed(3)
-    model = transformers.GPTNeoXForCausalLM(config).eval()
+    model = getattr(transformers, architecture)(config).eval()
     model.save_pretrained(folder)
     for name in TOKENIZER_FILES:
         if (smollm2_dir / name).exists():
@@ -51,7 +68,7 @@ def served(tmp_path_factory, smollm2_dir):
     )
     server = Server(folder)
     server.wait_healthy()
-    yield server, model, transformers.AutoTokenizer.from_pretrained(folder)
+    yield server, model, transformers.AutoTokenizer.from_pretrained(folder), architecture
     assert server.stop() == 0
 
 
@@ -69,15 +86,15 @@ def token_ids(response: requests.Response, stream: bool) -> list[int]:
     return [event["token"]["id"] for event in events]
 
 
-def test_start_up_names_the_generic_path(served):
-    server, _, _ = served
+def test_start_up_names_the_serving_path(served):
+    server, _, _, architecture = served
     log = server.log_path.read_text()
-    assert "model architecture GPTNeoXForCausalLM: the rolling batch's generic path" in log
+    assert f"model architecture {architecture}: {FAMILIES[architecture][1]}" in log
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_concurrent_requests_get_hf_greedy_tokens(served, stream):
-    server, model, tokenizer = served
+    server, model, tokenizer, _ = served
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         responses = list(pool.map(lambda prompt: ask(server, prompt, stream), PROMPTS))
         served_ids = [token_ids(response, stream) for response in responses]
