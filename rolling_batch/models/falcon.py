@@ -113,6 +113,7 @@ class FalconModel(LlamaModel):
 
 class FalconForCausalLM(LlamaForCausalLM):
     model_class = FalconModel
+    renamed_tensors = _RENAMED
 
     def __init__(self, config, group: TensorParallelGroup, max_positions: int):
         if getattr(config, "alibi", False):
@@ -126,8 +127,7 @@ class FalconForCausalLM(LlamaForCausalLM):
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterable[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
-            for pattern, replacement in _RENAMED:
-                name = pattern.sub(replacement, name)
+            name = self.checkpoint_name(name)
             if ".self_attention.query_key_value." not in name:
                 yield name, tensor
                 continue

@@ -5,6 +5,7 @@ layers hold and load their own shards."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -184,6 +185,8 @@ def sliding_windows(config, max_positions: int) -> list[int | None]:
 class LlamaForCausalLM(nn.Module):
     variant = BlockVariant()  # families that differ by a switch set theirs (models/qwen3.py)
     model_class: type[nn.Module] = LlamaModel  # a family with other layers (models/falcon.py)
+    # (pattern, replacement) pairs applied in order to each checkpoint tensor's name
+    renamed_tensors: tuple[tuple[re.Pattern, str], ...] = ()
 
     def __init__(self, config, group: TensorParallelGroup, max_positions: int):
         super().__init__()
@@ -334,9 +337,15 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_tensors(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterable[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors under Llama's names: a family whose checkpoints name or
-        fuse them otherwise translates here (models/phi3.py)."""
-        return weights
+        """The checkpoint's tensors under Llama's names: a family whose checkpoints name
+        them otherwise lists the renames in `renamed_tensors`; one that fuses them splits them
+        here (models/phi3.py)."""
+        return ((self.checkpoint_name(name), tensor) for name, tensor in weights)
+
+    def checkpoint_name(self, name: str) -> str:
+        for pattern, replacement in self.renamed_tensors:
+            name = pattern.sub(replacement, name)
+        return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -11,9 +11,7 @@ biases, Qwen3-MoE's per-head q/k norms) with a sparse MLP (layers/moe.py) in its
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
-import torch
 from torch import nn
 
 from ..layers.mlp import ACTIVATIONS
@@ -59,15 +57,7 @@ class MixtralModel(MoeModel):
 
 class MoeForCausalLM(LlamaForCausalLM):
     model_class = MoeModel
-
-    def checkpoint_tensors(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterable[tuple[str, torch.Tensor]]:
-        """Mixtral's names as Qwen's; Qwen's as they are."""
-        for name, tensor in weights:
-            for pattern, replacement in _MIXTRAL_NAMES:
-                name = pattern.sub(replacement, name)
-            yield name, tensor
+    renamed_tensors = _MIXTRAL_NAMES  # Qwen's names need none
 
     def enable_lora(self, num_slots: int, max_rank: int, step) -> dict:
         raise ValueError("LoRA adapters are not served on mixture-of-experts models")
