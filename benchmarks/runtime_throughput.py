@@ -63,10 +63,14 @@ def batch_runner(model_path, dtype: str, batch: int, max_len: int, model_impl: s
     return runner, hf_config, blocks
 
 
-def prefill_chunks(blocks, prompt_len: int) -> list[SequenceChunk]:
-    """One prompt of `prompt_len` random tokens (the same ones every run) per sequence."""
+def prefill_chunks(blocks, prompt_len: int, vocab_size: int = 40000) -> list[SequenceChunk]:
+    """One prompt of `prompt_len` random tokens (the same ones every run, below 40000 and the
+    vocabulary's size) per sequence."""
     prompts = torch.randint(
-        100, 40000, (len(blocks), prompt_len), generator=torch.Generator().manual_seed(0)
+        100,
+        min(40000, vocab_size),
+        (len(blocks), prompt_len),
+        generator=torch.Generator().manual_seed(0),
     )
     return [SequenceChunk(tuple(p.tolist()), 0, blocks[i], True) for i, p in enumerate(prompts)]
 
@@ -93,8 +97,10 @@ def native(
     model_path, dtype: str, batch: int, prompt_len: int, steps: int, model_impl: str = "auto"
 ) -> tuple[float, float]:
     """(prefill, decode) tokens/s of the rolling batch's runner."""
-    runner, _, blocks = batch_runner(model_path, dtype, batch, prompt_len + steps + 1, model_impl)
-    prefill = prefill_chunks(blocks, prompt_len)
+    runner, hf_config, blocks = batch_runner(
+        model_path, dtype, batch, prompt_len + steps + 1, model_impl
+    )
+    prefill = prefill_chunks(blocks, prompt_len, hf_config.vocab_size)
     runner.execute(prefill)  # warm-up: first calls allocate and pick kernels
     started = time.perf_counter()
     next_tokens = runner.execute(prefill).argmax(-1).tolist()
