@@ -27,7 +27,6 @@ _MIXTRAL_NAMES = (  # Mixtral's checkpoint names -> Qwen's, which the native mod
 
 
 class MoeModel(LlamaModel):
-    native_stack_layers = False  # the C++ stack's layers have one dense MLP
     fp32_router_weights = False  # set by the family: see SparseMoE
 
     def make_mlp(self, config, group, variant: BlockVariant, layer_index: int) -> nn.Module:
