@@ -33,6 +33,8 @@ from lmserve.properties.config import default_cache_dir
 log = logging.getLogger("lmserve.kernels")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
+# The headers cpu_ops.cpp includes, one a job: any change to one is a new build.
+HEADERS = sorted(SOURCE.parent.glob("*.h"))
 _COMPILER = "g++"
 
 
@@ -109,7 +111,10 @@ def compile_command(isa: str, output: Path) -> list[str]:
 
 
 def build_dir(isa: str, cache_dir: Path | None = None) -> Path:
-    source_hash = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256()
+    for path in (SOURCE, *HEADERS):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    source_hash = digest.hexdigest()[:12]
     version = torch.__version__.replace("+", "_")
     root = cache_dir if cache_dir is not None else default_cache_dir()
     python = f"py{sys.version_info[0]}{sys.version_info[1]}"

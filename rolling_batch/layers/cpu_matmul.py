@@ -1,6 +1,6 @@
 """Linear-layer weights laid out once for CPU inference.
 
-fp32 weights go to the C++ kernels' panel layout (`kernels/csrc/cpu_ops.cpp`,
+fp32 weights go to the C++ kernels' panel layout (`kernels/csrc/panel_linear.h`,
 `packed_linear`), which prefetches the weight stream: 1.3-1.7x oneDNN's packed matmul at the
 1-64 rows of a decode step, level with it at prefill sizes; so do bf16 weights where the CPU
 has AVX512-BF16 (`bf16_panels()`). Other dtypes (fp16, bf16 elsewhere), and fp32 where the

@@ -3,7 +3,7 @@ pairs (AVX512-BF16): the logits are computed in bf16 on the C++ panels, each wit
 its fp32 value that the hidden state's and the weight row's norms give, and only the tokens
 that could still be the largest (a few a row for a trained model's peaked logits) are computed
 in fp32, exactly as the fp32 panels compute them (`greedy_head_pick` in
-kernels/csrc/cpu_ops.cpp). The token is the one the fp32 logits' argmax gives, bit for bit the
+kernels/csrc/greedy.h). The token is the one the fp32 logits' argmax gives, bit for bit the
 same comparison; the log-prob is not known, so only requests that report none take it.
 
 A step of greedy decodes alone picks its tokens inside the C++ decoder stack's call

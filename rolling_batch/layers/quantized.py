@@ -20,12 +20,12 @@ bytes of scale and zero a group (0.625).
 Int8: GGUF's Q8_0 layout, int8 codes with one fp32 scale a group of 32 (1.125 bytes a weight),
 for every linear with option.quantize=int8, and with int4 too for the LM head and the embedding
 it is tied to: the largest matrix of a small model, read whole by every decode step, and where
-an error lands on every logit directly. The C++ kernel (`int8_linear`, kernels/csrc/cpu_ops.cpp)
-widens each group's codes in registers for 8 rows of x at a time; against the packed fp32
-weight of SmolLM2's LM head (49152 x 576, 2 threads) it took 1.4 / 3.6 / 7.0 / 12.6 ms at 1 /
-8 / 16 / 32 rows against 5.0 / 5.5 / 7.0 / 10.6 ms. Big steps widen the weight to the
-activations' dtype and multiply it densely (in fp32, exactly the dequantized weight). Without
-the C++ kernels, dense matmuls run on blocks dequantized in turn.
+an error lands on every logit directly. The C++ kernel (`int8_linear`,
+kernels/csrc/quantized_linear.h) widens each group's codes in registers for 8 rows of x at a
+time; against the packed fp32 weight of SmolLM2's LM head (49152 x 576, 2 threads) it took
+1.4 / 3.6 / 7.0 / 12.6 ms at 1 / 8 / 16 / 32 rows against 5.0 / 5.5 / 7.0 / 10.6 ms. Big
+steps widen the weight to the activations' dtype and multiply it densely (in fp32, exactly the
+dequantized weight). Without the C++ kernels, dense matmuls run on blocks dequantized in turn.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A Llama decoder stack run by one C++ call a step (`DecoderStack` in kernels/csrc/cpu_ops.cpp)
+"""A Llama decoder stack run by one C++ call a step (`DecoderStack`, kernels/csrc/decoder_stack.h)
 where every op of its layers is native (fp32 linears in the C++ panels, bf16 ones too where
 the CPU has AVX512-BF16, others through oneDNN): the same ops as `LlamaModel.forward`'s
 layers, in the same order, so the same bits, without Python between them. A step's weight
