@@ -9,9 +9,9 @@ tokens in the cache, its K/V already stored; query row `i` sits at absolute posi
 Grouped-query attention: query head `h` reads KV head `h // (q_heads // kv_heads)`. A `softcap`
 (Gemma 2's) squashes each scaled score into (-softcap, softcap) with tanh before the softmax.
 
-On CPU the C++ kernel (`cpu_native`) serves; the torch reference here is what it is tested
-against, the fallback without a compiler, and (on CPU and CUDA alike) what serves a window
-shorter than the context or soft-capping, which the kernels do not have yet. The reference
+On CPU the C++ kernel (`cpu_native`) serves, on CUDA the Triton one, windows and soft-capping
+included; the torch reference here is what they are tested against and the fallback without a
+compiler. The reference
 pads sequences to the longest query and context so one batched matmul serves many (a Python
 loop per sequence costs more than the math at decode sizes). Everything that depends only on
 the step's layout (which cache slots each sequence reads, the causal mask, where query rows
@@ -263,18 +263,17 @@ def paged_attention(
 ) -> torch.Tensor:
     """CUDA: the Triton kernel. CPU: the C++ kernel, which reads the cache in place; without
     it the torch reference with `plan`, the step's `ReferencePlan` (built here if not given).
-    A `window` some sequence's context outgrows, or a `softcap`, takes the reference."""
-    limited = softcap is not None or (window is not None and max_seq_len > window)
-    if query.is_cuda and not limited:
+    A `window` no sequence's context outgrows is no window."""
+    if window is not None and max_seq_len <= window:
+        window = None
+    args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    if query.is_cuda:
         from .paged_attention_triton import paged_attention_triton
 
-        args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-        return paged_attention_triton(*args, max_query_len, max_seq_len)
-    native = cpu_native.native_ops() if not query.is_cuda else None
-    if native is not None and not limited:
-        return native.paged_attention(
-            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale
-        )
+        return paged_attention_triton(*args, max_query_len, max_seq_len, window, softcap)
+    native = cpu_native.native_ops()
+    if native is not None:
+        return native.paged_attention(*args, window or 0, softcap or 0.0)
     if plan is None:
         plan = ReferencePlan.build(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
-    return attend(query, k_cache, v_cache, plan, scale, window if limited else None, softcap)
+    return attend(query, k_cache, v_cache, plan, scale, window, softcap)

@@ -1,7 +1,8 @@
 """Triton kernel for `paged_attention.paged_attention_reference` (same signature).
 
-One program per (sequence, query row, query head): it walks the sequence's keys
-`0..position` in tiles of BLOCK_N through the block table with an online softmax, in fp32.
+One program per (sequence, query row, query head): it walks the keys the row sees (`0..position`,
+or the `window` up to it) in tiles of BLOCK_N through the block table with an online softmax, in
+fp32, each score soft-capped first where the model caps them (Gemma 2).
 Programs for rows beyond a sequence's query length do no work (a decode sequence next to a
 long prefill costs almost nothing).
 """
@@ -23,6 +24,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     scale,
+    window,  # keys a row sees back from its position, itself included; 0: all
+    softcap,
     stride_q_token,
     stride_q_head,
     stride_o_token,
@@ -36,6 +39,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # whether scores are capped
 ):
     seq = tl.program_id(0)
     row = tl.program_id(1)
@@ -46,6 +50,7 @@ def _paged_attention_kernel(
     active = row < q_len
     position = seq_len - q_len + row
     num_keys = tl.where(active, position + 1, 0)
+    first_key = tl.where(window > 0, tl.maximum(position - window + 1, 0), 0)
     kv_head = head // GROUP
 
     dims = tl.arange(0, BLOCK_D)
@@ -62,7 +67,7 @@ def _paged_attention_kernel(
     running_sum = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
-    for tile in range(0, num_keys, BLOCK_N):
+    for tile in range(first_key, num_keys, BLOCK_N):
         key_index = tile + tl.arange(0, BLOCK_N)
         key_mask = key_index < num_keys
         block = tl.load(table_row + key_index // BLOCK_SIZE, mask=key_mask, other=0).to(tl.int64)
@@ -75,6 +80,8 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=tile_mask, other=0.0)
         v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=tile_mask, other=0.0)
         scores = tl.sum(q[None, :] * k.to(tl.float32), axis=1)
+        if SOFTCAP:  # softcap * tanh(score / softcap), tanh(x) = 2 sigmoid(2x) - 1
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * (scores / softcap)) - 1.0)
         scores = tl.where(key_mask, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=0))
         weights = tl.exp(scores - new_max)
@@ -101,6 +108,8 @@ def paged_attention_triton(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     num_tokens, q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -119,6 +128,8 @@ def paged_attention_triton(
         seq_lens,
         query_start_loc,
         scale,
+        window or 0,
+        softcap or 0.0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -132,5 +143,6 @@ def paged_attention_triton(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=32,
+        SOFTCAP=softcap is not None,
     )
     return out

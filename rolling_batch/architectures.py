@@ -37,7 +37,7 @@ class NativeFamily:
 _CHECKPOINT_QUANTIZED = "int4, int8, AWQ, GPTQ"
 # Quantized checkpoints served (4-bit; rolling_batch/quantized_checkpoint.py reads them).
 CHECKPOINT_METHODS = ("awq", "gptq")
-_WINDOW_NOTE = "sliding windows served (past the window, through the torch attention)"
+_WINDOW_NOTE = "sliding windows served past the window"
 _MOE_LORA = "no (refused at start-up)"
 _MOE_NOTE = "experts split across TP ranks (each expert's columns)"
 # GGUF files are served for the families whose GGUF tensors lmserve also reads as codes

@@ -12,7 +12,10 @@ namespace {
 //
 // Sequence s owns query rows query_start_loc[s]..query_start_loc[s+1] (its newest q_len tokens)
 // and has seq_lens[s] tokens cached; its row i sits at position seq_lens[s] - q_len + i and
-// sees keys 0..position. A work item is (sequence, KV head, tile of query tokens): the query
+// sees keys 0..position, or with a sliding window the `window` keys up to it (a row's first
+// key is then position - window + 1: an item starts at its first row's, and the keys before a
+// later row's first are masked for it). A softcap (Gemma 2's) squashes each scaled score into
+// (-softcap, softcap) by softcap * tanh(score / softcap) before the softmax. A work item is (sequence, KV head, tile of query tokens): the query
 // heads sharing the KV head and the tile's tokens are its rows, so each K/V row is read once
 // from the cache, in place, for all of them.
 //
@@ -68,7 +71,8 @@ struct CascadeGroup {
 enum class ItemKind { kWhole, kShared, kOwn };
 
 // A work item: one KV head, some query rows, a range of keys.
-//   kWhole: tokens token_begin..token_end of sequence `seq`, every key they see: the output.
+//   kWhole: tokens token_begin..token_end of sequence `seq`, every key they see (from the
+//           first row's first key): the output.
 //   kShared: every member of cascade group `group`, keys key_begin..key_end: part `part`.
 //   kOwn: member `member` (sequence `seq`) of group `group`, its keys past the shared ones.
 struct AttentionItem {
@@ -265,14 +269,22 @@ inline void output_tile(const float* weights, ScoreLayout layout, const float* c
   }
 }
 
+// softcap * tanh(s / softcap) for n scores in place (n a multiple of the vector width).
+inline void cap_scores(float* s, int64_t n, float softcap) {
+  const Vec cap(softcap);
+  for (int64_t i = 0; i < n; i += Vec::size()) {
+    ((Vec::loadu(s + i) / cap).tanh() * cap).store(s + i);
+  }
+}
+
 // One item's rows, their running softmax state and one chunk's keys; one per thread, reused.
 struct AttentionState {
   int64_t rows = 0, row_pad = 0, d = 0;
   bool transposed = false;
   ScoreLayout layout{};
   std::vector<float> buffer;
-  float *q, *scores, *acc, *row_max, *row_sum, *correction, *last_key, *keys_f, *values_f,
-      *q_row, *zeros;
+  float *q, *scores, *acc, *row_max, *row_sum, *correction, *first_key, *last_key, *keys_f,
+      *values_f, *q_row, *zeros;
   std::vector<const float*> keys, values;  // the chunk's K and V rows as fp32
   // bf16 rows scored by dot products on AVX512-BF16 (bf16_scores): the unscaled query rows
   // [rows][d] then a row of zeros (the keys past a partial chunk), and the chunk's K rows as
@@ -292,7 +304,7 @@ struct AttentionState {
     transposed = rows >= kTransposeRows;
     layout = transposed ? ScoreLayout{row_pad, 1} : ScoreLayout{1, kKeyChunk};
     const int64_t chunk = kKeyChunk;
-    buffer.resize(d * row_pad + chunk * row_pad + row_pad * d + 4 * row_pad + 2 * chunk * d +
+    buffer.resize(d * row_pad + chunk * row_pad + row_pad * d + 5 * row_pad + 2 * chunk * d +
                   2 * d);
     q = buffer.data();             // scale * Q: [d][row_pad] transposed, else [rows][d]
     scores = q + d * row_pad;      // [chunk][row_pad] transposed, else [rows][chunk]
@@ -300,8 +312,9 @@ struct AttentionState {
     row_max = acc + row_pad * d;
     row_sum = row_max + row_pad;
     correction = row_sum + row_pad;
-    last_key = correction + row_pad;  // the last key each row may see, as a float
-    keys_f = last_key + row_pad;      // [chunk][d] widened K (bf16, fp16)
+    first_key = correction + row_pad;  // the first key each row may see, as a float
+    last_key = first_key + row_pad;    // the last key each row may see, as a float
+    keys_f = last_key + row_pad;       // [chunk][d] widened K (bf16, fp16)
     values_f = keys_f + chunk * d;    // [chunk][d] widened V
     q_row = values_f + chunk * d;
     zeros = q_row + d;  // stands in for the keys past the end of a partial chunk
@@ -343,7 +356,15 @@ struct AttentionState {
     return (in_chunk + kKeyTile - 1) / kKeyTile * kKeyTile;
   }
 
-  void score_chunk(int64_t in_chunk) {
+  void score_chunk(int64_t in_chunk, float softcap) {
+    score_keys_of_chunk(in_chunk);
+    if (softcap == 0.f) return;
+    if (transposed) return cap_scores(scores, scored(in_chunk) * row_pad, softcap);
+    const int64_t keys_scored = (in_chunk + Vec::size() - 1) / Vec::size() * Vec::size();
+    for (int64_t r = 0; r < rows; ++r) cap_scores(scores + r * kKeyChunk, keys_scored, softcap);
+  }
+
+  void score_keys_of_chunk(int64_t in_chunk) {
     if (!transposed) {
       // Keys past in_chunk are zeros, their scores masked in the softmax.
       int64_t asks_from[kTransposeRows];  // a vector's keys asked for, shared out by row
@@ -375,9 +396,11 @@ struct AttentionState {
     }
   }
 
-  // Scores of keys past a row's last key become -inf, then weights exp(score - running max).
-  // An item's first key is one every row sees, so a running max is finite from the first
-  // chunk on and the corrections exp(old max - new max) are never exp(-inf + inf).
+  // Scores of keys outside a row's first..last key become -inf, then weights exp(score -
+  // running max). Without a window an item's first key is one every row sees; with one a row
+  // may see none of a chunk's keys, and until it has seen one its running max is -inf: the
+  // weights and the correction then take 0 for the max (exp(-inf - 0) = 0, where
+  // exp(-inf + inf) would be NaN).
   void softmax_chunk(int64_t key0, int64_t in_chunk, bool masked, bool first_chunk) {
     if (transposed) {
       for (int64_t v = 0; v < row_pad; v += Vec::size()) {
@@ -392,26 +415,28 @@ struct AttentionState {
   }
 
   void softmax_lanes_are_rows(int64_t key0, int64_t v, int64_t keys_scored, bool masked) {
-    const Vec last = Vec::loadu(last_key + v);
+    const Vec first = Vec::loadu(first_key + v), last = Vec::loadu(last_key + v);
     const Vec hidden(kNegInf);
     Vec chunk_max(kNegInf);
     for (int64_t t = 0; t < keys_scored; ++t) {
       Vec s = Vec::loadu(scores + t * row_pad + v);
       if (masked) {
-        s = Vec::blendv(s, hidden, Vec(static_cast<float>(key0 + t)) > last);
+        const Vec key(static_cast<float>(key0 + t));
+        s = Vec::blendv(s, hidden, (key > last) | (key < first));
         s.store(scores + t * row_pad + v);
       }
       chunk_max = at::vec::maximum(chunk_max, s);
     }
     const Vec old_max = Vec::loadu(row_max + v);
     const Vec new_max = at::vec::maximum(old_max, chunk_max);
+    const Vec shift = Vec::blendv(new_max, Vec(0.f), new_max == hidden);
     Vec sums(0.f);
     for (int64_t t = 0; t < keys_scored; ++t) {
-      const Vec p = (Vec::loadu(scores + t * row_pad + v) - new_max).exp();
+      const Vec p = (Vec::loadu(scores + t * row_pad + v) - shift).exp();
       p.store(scores + t * row_pad + v);
       sums = sums + p;
     }
-    const Vec factor = (old_max - new_max).exp();
+    const Vec factor = (old_max - shift).exp();
     (Vec::loadu(row_sum + v) * factor + sums).store(row_sum + v);
     new_max.store(row_max + v);
     factor.store(correction + v);
@@ -424,7 +449,10 @@ struct AttentionState {
     float* s = scores + r * kKeyChunk;
     const int64_t visible =
         std::clamp<int64_t>(static_cast<int64_t>(last_key[r]) - key0 + 1, 0, in_chunk);
+    const int64_t hidden_before =
+        std::clamp<int64_t>(static_cast<int64_t>(first_key[r]) - key0, 0, visible);
     const int64_t keys_scored = (in_chunk + Vec::size() - 1) / Vec::size() * Vec::size();
+    std::fill(s, s + hidden_before, kNegInf);
     std::fill(s + visible, s + keys_scored, kNegInf);
     Vec maxima(kNegInf);
     for (int64_t t = 0; t < keys_scored; t += Vec::size()) {
@@ -433,14 +461,14 @@ struct AttentionState {
     const float chunk_max = at::vec::vec_reduce_all<float>(
         [](Vec a, Vec b) { return at::vec::maximum(a, b); }, maxima);
     const float new_max = std::max(row_max[r], chunk_max);
-    const Vec shift(new_max);
+    const Vec shift(new_max == kNegInf ? 0.f : new_max);
     Vec sums(0.f);
     for (int64_t t = 0; t < keys_scored; t += Vec::size()) {
       const Vec p = (Vec::loadu(s + t) - shift).exp();
       p.store(s + t);
       sums = sums + p;
     }
-    const float factor = std::exp(row_max[r] - new_max);
+    const float factor = std::exp(row_max[r] - (new_max == kNegInf ? 0.f : new_max));
     row_sum[r] = row_sum[r] * factor +
                  at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, sums);
     row_max[r] = new_max;
@@ -492,6 +520,8 @@ struct AttentionCall {
   const int32_t *lens, *starts, *tables;
   int64_t table_stride;
   float scale;
+  int64_t window;  // keys a row sees back from its own position (itself included); 0: all
+  float softcap;   // 0: none
   T* out;
   float* partials;  // [slot][d + 2]: unnormalised output, running max, running sum
   const std::vector<CascadeGroup>* groups;
@@ -499,6 +529,10 @@ struct AttentionCall {
 
   int64_t q_len(int64_t seq) const { return starts[seq + 1] - starts[seq]; }
   int64_t first_position(int64_t seq) const { return lens[seq] - q_len(seq); }
+  // The first key the row at `position` sees.
+  int64_t first_key(int64_t position) const {
+    return window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+  }
   const int32_t* table(int64_t seq) const { return tables + seq * table_stride; }
   int64_t out_offset(int64_t seq, int64_t token, int64_t head) const {
     return ((starts[seq] + token) * q_heads + head) * d;
@@ -587,9 +621,11 @@ void attend_keys(const AttentionCall<T>& call, const KeyRange& range, const KeyR
   const int64_t d = call.d, key_begin = range.key_begin, key_end = range.key_end;
   const bool rolling = call.stream_ahead;
   constexpr bool widened = !std::is_same_v<T, float>;
-  // Rows see keys up to the smallest last key: chunks before it need no mask.
+  // Rows see keys from the largest first key up to the smallest last key: chunks within
+  // need no mask.
   const float first_hidden =
       *std::min_element(state.last_key, state.last_key + state.rows) + 1.f;
+  const float all_see = *std::max_element(state.first_key, state.first_key + state.rows);
   const T *keys[2][kKeyChunk], *values[2][kKeyChunk];  // this chunk's rows and the next's
   // Locates the rows of the chunk of `r` from `key0` into buffer `b`; how many there are.
   const auto locate = [&](const KeyRange& r, int64_t key0, int b) {
@@ -643,14 +679,16 @@ void attend_keys(const AttentionCall<T>& call, const KeyRange& range, const KeyR
       if (!state.bf16_scores) state.keys[t] = as_float(keys[c][t], state.keys_f + t * d, d);
       state.values[t] = as_float(values[c][t], state.values_f + t * d, d);
     }
-    state.score_chunk(in_chunk);
-    state.softmax_chunk(key0, in_chunk, key0 + kKeyChunk > first_hidden, key0 == key_begin);
+    state.score_chunk(in_chunk, call.softcap);
+    const bool masked = key0 + kKeyChunk > first_hidden || static_cast<float>(key0) < all_see;
+    state.softmax_chunk(key0, in_chunk, masked, key0 == key_begin);
     state.accumulate_values(in_chunk);
   }
 }
 
 // ---- A decode's item in fp32 or bf16: one query token (a decode, or a prompt tile's last
-// token alone), its query heads of one KV head as rows, every key up to its own.
+// token alone), its query heads of one KV head as rows, every key it sees (key_begin, its
+// window's first, to its own).
 //
 // The general path above stages every chunk of 64 keys (pointers written to three arrays,
 // masks, a softmax per chunk, a rescale of the sums), which at a decode's few rows costs more
@@ -679,6 +717,12 @@ struct RowCursor {
 
   const T* row() const {
     return cache + (table[block] * block_size + in_block) * row_stride + head_offset;
+  }
+  RowCursor at_key(int64_t key) const {
+    RowCursor moved = *this;
+    moved.block = key / block_size;
+    moved.in_block = key % block_size;
+    return moved;
   }
   void advance() {
     if (++in_block == block_size) {
@@ -875,7 +919,7 @@ thread_local int64_t fast_decode_items = 0;
 template <typename T>
 void attend_decode(const AttentionItem& item, const AttentionItem* following,
                    const AttentionCall<T>& call, AttentionState& state) {
-  const int64_t d = call.d, rows = call.heads_per_kv, num_keys = item.key_end;
+  const int64_t d = call.d, rows = call.heads_per_kv, num_keys = item.key_end - item.key_begin;
   const int64_t stride = (num_keys + Vec::size() - 1) / Vec::size() * Vec::size();
   state.decode_buffer.resize(rows * d + rows * stride + rows * d + d);
   float* q = state.decode_buffer.data();
@@ -897,11 +941,12 @@ void attend_decode(const AttentionItem& item, const AttentionItem* following,
     }
   }
   const int64_t row_stride = call.kv_heads * d;
-  const auto cursor = [&](const T* cache, int64_t seq, int64_t kv_head) {
-    return RowCursor<T>{cache, call.table(seq), call.block_size, row_stride, kv_head * d};
+  const auto cursor = [&](const T* cache, const AttentionItem& of) {
+    return RowCursor<T>{cache, call.table(of.seq), call.block_size, row_stride, of.kv_head * d}
+        .at_key(of.key_begin);
   };
-  const RowCursor<T> keys = cursor(call.k_cache, item.seq, item.kv_head);
-  const RowCursor<T> values = cursor(call.v_cache, item.seq, item.kv_head);
+  const RowCursor<T> keys = cursor(call.k_cache, item);
+  const RowCursor<T> values = cursor(call.v_cache, item);
   // The first K rows, less those the item before asked for.
   RowCursor<T> first = keys;
   for (int64_t t = 0; t < std::min(kAheadKeys, num_keys); ++t, first.advance()) {
@@ -924,6 +969,9 @@ void attend_decode(const AttentionItem& item, const AttentionItem* following,
 #endif
     }
   });
+  if (call.softcap != 0.f) {
+    for (int64_t r = 0; r < rows; ++r) cap_scores(scores + r * stride, stride, call.softcap);
+  }
   float inverse_sums[kOutRows];
   for (int64_t r = 0; r < rows; ++r) inverse_sums[r] = softmax_row(scores + r * stride, num_keys);
   // A following decode's first K rows go out during the last V rows (its start then skips
@@ -931,8 +979,8 @@ void attend_decode(const AttentionItem& item, const AttentionItem* following,
   RowCursor<T> next{};
   int64_t next_count = 0;
   if (following != nullptr && fast_decode(*following, call)) {
-    next = cursor(call.k_cache, following->seq, following->kv_head);
-    next_count = std::min(kAheadKeys, following->key_end);
+    next = cursor(call.k_cache, *following);
+    next_count = std::min(kAheadKeys, following->key_end - following->key_begin);
   }
   with_count<kOutRows>(rows, [&](auto count) {
     decode_values<decltype(count)::value, T>(scores, stride, values, next, next_count, num_keys,
@@ -972,6 +1020,7 @@ void attend_item(const AttentionItem& item, const AttentionItem* following,
     const RowSource row = row_source(item, call, std::min(r, rows - 1));
     const int64_t position = call.first_position(row.seq) + row.token;
     state.last_key[r] = static_cast<float>(std::min(position, item.key_end - 1));
+    state.first_key[r] = static_cast<float>(std::max(call.first_key(position), item.key_begin));
     if (r >= rows) continue;
     const T* src = call.query + (call.starts[row.seq] + row.token) * call.q_token_stride +
                    row.head * call.q_head_stride;
@@ -1034,6 +1083,8 @@ void merge_partials(const AttentionCall<T>& call) {
 template <typename T>
 std::vector<CascadeGroup> find_cascades(const AttentionCall<T>& shape, int64_t num_seqs,
                                         int64_t workers) {
+  // A window's decodes see their own last keys, not a shared prefix's (nor its partials).
+  if (shape.window > 0) return {};
   std::vector<std::pair<int32_t, int64_t>> decodes;  // (first block, sequence)
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (shape.q_len(s) == 1 && shape.lens[s] > kMinSharedKeys) {
@@ -1107,7 +1158,8 @@ std::vector<AttentionItem> attention_items(const AttentionCall<T>& call, int64_t
     for (int64_t begin = 0; begin < q_len; begin += tile_tokens) {
       const int64_t end = std::min(q_len, begin + tile_tokens);
       for (int64_t h = 0; h < call.kv_heads; ++h) {
-        items.push_back({ItemKind::kWhole, s, h, begin, end, 0, first_position + end});
+        items.push_back({ItemKind::kWhole, s, h, begin, end,
+                         call.first_key(first_position + begin), first_position + end});
       }
     }
   }
@@ -1118,7 +1170,7 @@ template <typename T>
 void paged_attention_impl(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    const at::Tensor& query_start_loc, double scale) {
+    const at::Tensor& query_start_loc, double scale, int64_t window, double softcap) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t q_heads = query.size(1), kv_heads = k_cache.size(2);
   AttentionCall<T> call{
@@ -1127,7 +1179,8 @@ void paged_attention_impl(
       q_heads / kv_heads, query.size(2),
       seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
       block_tables.data_ptr<int32_t>(), block_tables.stride(0),
-      static_cast<float>(scale), out.data_ptr<T>(), nullptr, nullptr};
+      static_cast<float>(scale), window, static_cast<float>(softcap), out.data_ptr<T>(),
+      nullptr, nullptr};
   const int64_t workers = pool_threads();
   const std::vector<CascadeGroup> groups = find_cascades(call, num_seqs, workers);
   // The slot past the last group's last: where a member after its last would start.
@@ -1176,8 +1229,9 @@ void paged_attention_impl(
 at::Tensor paged_attention(
     const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-    const at::Tensor& query_start_loc, double scale) {
+    const at::Tensor& query_start_loc, double scale, int64_t window, double softcap) {
   check_rows_contiguous(query, "query");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() &&
                   v_cache.scalar_type() == query.scalar_type(),
@@ -1193,7 +1247,7 @@ at::Tensor paged_attention(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(),
                                   "paged_attention", [&] {
     paged_attention_impl<scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens,
-                                   query_start_loc, scale);
+                                   query_start_loc, scale, window, softcap);
   });
   return out;
 }

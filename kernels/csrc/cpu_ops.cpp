@@ -25,7 +25,10 @@
 #include "decoder_stack.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention);
+  m.def("paged_attention", &paged_attention, py::arg("query"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("store_kv", &store_kv);
   m.def("rotary_", &rotary_);
   m.def("rms_norm", &rms_norm);

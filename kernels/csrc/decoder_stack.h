@@ -39,6 +39,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
 struct DecoderLayer {
   at::Tensor input_norm, qkv, o, post_norm, gate_up, down;  // norms' weights; linears packed
   std::optional<at::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
+  int64_t window;  // the layer's sliding window, 0: none
 };
 
 // A step split by sequences (DecoderStack::sequence_parts): how much more than an even share of
@@ -66,10 +67,11 @@ class DecoderStack {
   void add_layer(at::Tensor input_norm, at::Tensor qkv, std::optional<at::Tensor> qkv_bias,
                  at::Tensor o, std::optional<at::Tensor> o_bias, at::Tensor post_norm,
                  at::Tensor gate_up, std::optional<at::Tensor> gate_up_bias, at::Tensor down,
-                 std::optional<at::Tensor> down_bias) {
+                 std::optional<at::Tensor> down_bias, int64_t window) {
     layers_.push_back({std::move(input_norm), std::move(qkv), std::move(o), std::move(post_norm),
                        std::move(gate_up), std::move(down), std::move(qkv_bias),
-                       std::move(o_bias), std::move(gate_up_bias), std::move(down_bias)});
+                       std::move(o_bias), std::move(gate_up_bias), std::move(down_bias),
+                       window});
   }
 
   // The final norm's output for the embedded tokens `embedded` [T, hidden]; each layer's new
@@ -308,7 +310,7 @@ class DecoderStack {
                slot_mapping);
       at::Tensor attended =
           paged_attention(query_key.narrow(1, 0, num_q_), k_caches[i], v_caches[i],
-                          block_tables, seq_lens, query_start_loc, scale_);
+                          block_tables, seq_lens, query_start_loc, scale_, layer.window, 0.0);
       if (output_rows.has_value() && i + 1 == layers_.size()) {
         attended = attended.index_select(0, *output_rows);
         residual = residual.index_select(0, *output_rows);

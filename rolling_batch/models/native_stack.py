@@ -25,8 +25,8 @@ def native_stack(model):
     Python: weights neither in the C++ panels (fp32, bf16) nor in oneDNN's layout (bf16, fp16), as
     quantized ones and a GPU's are, tensor parallel (all-reduces between the ops), per-head
     query and key norms (Qwen3's), a partial rotation (Phi-3's), GELU or scaled embeddings
-    (Gemma's), a sliding window shorter than the context, which the C++ layer does not have
-    yet, or a mixture of experts."""
+    (Gemma's), or a mixture of experts. Sliding windows run: each layer's is the C++
+    attention's."""
     native = cpu_native.ops_for(model.norm.weight)
     if not model.native_stack_layers or native is None:
         return None
@@ -43,8 +43,6 @@ def native_stack(model):
         if attention.o_proj.group.world_size > 1 or mlp.down_proj.group.world_size > 1:
             return None
         if attention.q_norm is not None or mlp.activation != "silu":
-            return None
-        if attention.sliding_window is not None:  # the C++ attention sees every key
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(norm.eps != model.norm.eps for norm in norms):
@@ -81,6 +79,7 @@ def native_stack(model):
             mlp.gate_up_proj.bias,
             mlp.down_proj.packed.packed,
             mlp.down_proj.bias,
+            attention.sliding_window or 0,
         )
     log.info("decoder stack: one C++ call a step over %d layers", len(layers))
     return stack

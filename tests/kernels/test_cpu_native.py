@@ -192,6 +192,40 @@ def test_paged_attention_bf16_decodes_any_head_dim_within_precision(native, head
     close(got, contiguous_attention(case, 0.3), torch.bfloat16)
 
 
+# Prompt chunks and decodes whose contexts run past the window by less than a chunk of 64
+# keys and by many, next to ones within it; windows of a few keys (every row of a query tile
+# sees different keys, chunks seen by some rows and by none) and of more than a chunk.
+WINDOWED = [(700, 70), (650, 1), (300, 1), (45, 45), (513, 1), (9, 1), (130, 20), (3, 3)]
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(4, 4, 8), (9, 3, 64), (8, 1, 32)])
+@pytest.mark.parametrize(("window", "softcap"), [(4, None), (100, None), (None, 2.5), (70, 5.0)])
+def test_paged_attention_keeps_sliding_windows_and_softcaps(
+    native, block_size, q_heads, kv_heads, head_dim, window, softcap
+):
+    """Mistral's and Qwen2's windows, Gemma 2's local layers and capped scores: HF's masked
+    attention in the C++ kernel, on the general path and the decodes' fast one."""
+    case = make_case(WINDOWED, block_size, q_heads, kv_heads, head_dim, seed=11)
+    got = native.paged_attention(*attention_args(case, 0.3), window or 0, softcap or 0.0)
+    close(got, contiguous_attention(case, 0.3, window, softcap))
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_paged_attention_windows_low_precision_within_its_precision(native, dtype):
+    case = make_case(WINDOWED, 16, 8, 2, 64, dtype=dtype, seed=2)
+    got = native.paged_attention(*attention_args(case, 0.125), 33, 4.0)
+    close(got, contiguous_attention(case, 0.125, 33, 4.0), dtype)
+
+
+def test_paged_attention_window_leaves_shared_prefixes_alone(native):
+    """Decodes on a shared prefix (the cascade's shape) with a window: each sees its own
+    window, not the prefix."""
+    case = shared_prefix_case(16, 9, 3, 64)
+    got = native.paged_attention(*attention_args(case, 0.3), 50, 0.0)
+    close(got, contiguous_attention(case, 0.3, 50))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION])
 def test_store_kv_writes_what_the_reference_writes(native, dtype):
     kv_heads, head_dim, tokens = 3, 12, 7

@@ -75,9 +75,9 @@ def test_sliding_window_and_softcap_equal_contiguous_attention(scenario, window,
         assert not torch.allclose(got, plain, rtol=1e-3, atol=1e-3)
 
 
-def test_a_window_or_softcap_takes_the_reference_whatever_the_kernels():
-    """paged_attention's dispatch: the kernels take neither, so both go to the reference, and
-    a window no context outgrows is plain attention."""
+def test_paged_attention_serves_windows_and_softcaps_on_whatever_kernel_is_here():
+    """paged_attention's dispatch (the C++ kernel where it builds, else the reference) keeps a
+    window and a softcap, and a window no context outgrows is plain attention."""
     from lmserve.kernels.paged_attention import paged_attention
 
     case = make_case(SCENARIOS["mixed_spread"], 4, 6, 2, head_dim=8)
@@ -130,3 +130,14 @@ def test_triton_kernel_equals_reference_bf16():
     got = paged_attention_triton(*case.to(DEVICE).args(0.35)).cpu()
     # Both compute in fp32 and round once to bf16 (8 bits of mantissa): one bf16 ulp apart.
     torch.testing.assert_close(got.float(), expected.float(), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("scenario", ["chunked", "mixed_spread"])
+@pytest.mark.parametrize(("window", "softcap"), [(5, None), (40, None), (None, 2.0), (7, 3.0)])
+def test_triton_kernel_keeps_windows_and_softcaps(scenario, window, softcap):
+    from lmserve.kernels.paged_attention_triton import paged_attention_triton
+
+    case = make_case(SCENARIOS[scenario], 4, 6, 2, 8)
+    expected = contiguous_attention(case, 0.3, window, softcap)
+    got = paged_attention_triton(*case.to(DEVICE).args(0.3), window, softcap).cpu()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from lmserve.kernels import cpu_native
 from lmserve.rolling_batch import LLM
 from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
 from lmserve.rolling_batch.layers.norm_and_rotary import rope_frequencies
@@ -188,6 +189,8 @@ def test_sliding_window_past_the_window_matches_hf(variant, block_size, tmp_path
     assert windows == (
         [None, 4] if variant == "qwen2" else [WINDOWED[variant][2]["sliding_window"]] * 2
     )
+    if cpu_native.native_ops() is not None and variant != "phi3":
+        assert runner.model.model.native_stack is not None  # the C++ stack slides too
     logits, sequence = assert_steps_match_hf(runner, hf_model, variant, decodes=2)
     # The same weights seeing every key answer otherwise: the window is what matched.
     config_name, model_name, extra = WINDOWED[variant]

@@ -49,15 +49,31 @@ def biased_model_dir(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def windowed_model_dir(tmp_path_factory):
+    """Mistral with a sliding window of 4 keys, which run_steps' contexts outgrow."""
+    folder = tmp_path_factory.mktemp("windowed")
+    save_tiny(folder, "MistralConfig", "MistralForCausalLM", dict(sliding_window=4))
+    return folder
+
+
 @pytest.mark.parametrize(
-    ("model", "dtype"), [("tiny", "fp32"), ("biased", "fp32"), ("tiny", "bf16"), ("biased", "bf16")]
+    ("model", "dtype"),
+    [
+        *[("tiny", "fp32"), ("biased", "fp32"), ("windowed", "fp32")],
+        ("tiny", "bf16"),
+        ("biased", "bf16"),
+    ],
 )
-def test_stack_gives_the_python_layers_bits(model, dtype, tiny_model_dir, biased_model_dir):
+def test_stack_gives_the_python_layers_bits(
+    model, dtype, tiny_model_dir, biased_model_dir, windowed_model_dir
+):
     """Mixed steps (a prompt in chunks beside decodes, contexts over several blocks) through
     two runners of one model, one with the stack and one without: equal logits, bit for bit.
     fp32 linears run on the C++ panels, bf16 ones too where the CPU has AVX512-BF16, else on
     oneDNN (the biases of O and down added after the matmul, a rounding of their own)."""
-    model_dir = tiny_model_dir if model == "tiny" else biased_model_dir
+    dirs = {"tiny": tiny_model_dir, "biased": biased_model_dir, "windowed": windowed_model_dir}
+    model_dir = dirs[model]
     with_stack, without = runner_for(model_dir, dtype=dtype), runner_for(model_dir, dtype=dtype)
     if with_stack.model.model.native_stack is None:
         pytest.skip(f"{dtype} linears are not packed on this CPU")
