@@ -79,6 +79,18 @@ NATIVE_FAMILIES = (
     ),
     NativeFamily("Gemma", ("GemmaForCausalLM",), "gemma:GemmaForCausalLM"),
     NativeFamily(
+        "Gemma 2",
+        ("Gemma2ForCausalLM",),
+        "gemma:Gemma2ForCausalLM",
+        notes="local (sliding-window) and global layers; soft-capped scores and logits",
+    ),
+    NativeFamily(
+        "Gemma 3 (text)",
+        ("Gemma3ForCausalLM",),
+        "gemma:Gemma3ForCausalLM",
+        notes="local and global layers, each with its rotary base",
+    ),
+    NativeFamily(
         "Falcon (7B, 40B, 180B, Falcon2)",
         ("FalconForCausalLM", "RWForCausalLM"),
         "falcon:FalconForCausalLM",
@@ -114,8 +126,6 @@ GENERIC_TESTED = {
     "Olmo2ForCausalLM": "OLMo 2",
     "GraniteForCausalLM": "Granite",
     "Starcoder2ForCausalLM": "StarCoder2",
-    "Gemma2ForCausalLM": "Gemma 2",
-    "Gemma3ForCausalLM": "Gemma 3 (text)",
     "CohereForCausalLM": "Command R (Cohere)",
 }
 # HF architecture name -> "module:class" that serves it natively.

@@ -76,8 +76,10 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         # Keys this layer sees back from each token (its own included), None for all: set by
-        # a family whose layers slide (Mistral, Qwen2's upper layers, Phi-3-mini).
+        # a family whose layers slide (Mistral, Qwen2's upper layers, Phi-3-mini, Gemma 2/3).
         self.sliding_window: int | None = None
+        # Scores squashed into (-softcap, softcap) before the softmax (Gemma 2), None: not.
+        self.softcap: float | None = None
         self.qkv_proj = QKVLinear(hidden_size, head_dim, heads, qkv_bias)
         self.o_proj = RowLinear(
             heads.q_start * head_dim, heads.num_q * head_dim, hidden_size, group, o_bias
@@ -108,7 +110,7 @@ class Attention(nn.Module):
         query, key = rope.rotate(query_key).split([num_q, num_kv], dim=1)
         value = qkv[:, q_size + kv_size :].view(num_tokens, num_kv, self.head_dim)
         out = meta.store_and_attend(
-            query, key, value, kv_cache, self.scale, window=self.sliding_window
+            query, key, value, kv_cache, self.scale, self.sliding_window, self.softcap
         )
         return self.o_proj(out.reshape(num_tokens, q_size))
 

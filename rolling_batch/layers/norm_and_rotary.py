@@ -80,10 +80,15 @@ def rotary_dim(config, head_dim: int) -> int:
     return int(head_dim * (factor or 1.0))
 
 
-def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def rope_frequencies(
+    config, head_dim: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
     """(inverse frequencies, attention scaling) for the config's rope parameters; `head_dim`:
-    the rotated dims (rotary_dim)."""
+    the rotated dims (rotary_dim). `layer_type`: the kind of layer whose parameters to take
+    where the config keeps them per kind (Gemma 3's sliding and full attention)."""
     parameters = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        parameters = parameters[layer_type]
     rope_type = parameters.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         supported = ", ".join(SUPPORTED_ROPE_TYPES)
@@ -94,7 +99,7 @@ def rope_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
         return 1.0 / (base**exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type)
 
 
 @dataclass(frozen=True)
@@ -135,11 +140,11 @@ class RotaryEmbedding(nn.Module):
     `x * cos + roll(x, half) * sin_signed`: the same products (a sign flip is exact), one op
     instead of four per layer."""
 
-    def __init__(self, config, head_dim: int, max_positions: int):
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None):
         super().__init__()
         self.rotary_dim = rotary_dim(config, head_dim)
         self.partial = self.rotary_dim < head_dim  # tables of rotary_dim columns then
-        inv_freq, scaling = rope_frequencies(config, self.rotary_dim)
+        inv_freq, scaling = rope_frequencies(config, self.rotary_dim, layer_type)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)

@@ -25,7 +25,7 @@ from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding, take_int8
 from ..layers.greedy_head import GreedyHead
 from ..layers.lora import LoraSlots, LoraStep
 from ..layers.mlp import GatedMLP
-from ..layers.norm_and_rotary import RMSNorm, RotaryEmbedding
+from ..layers.norm_and_rotary import RMSNorm, RotaryEmbedding, StepRope
 from ..layers.parallel import TensorParallelGroup, shard_heads
 from ..layers.quantized import GROUP_SIZE, QuantizedWeight
 from ..lora_adapters import linear_shapes
@@ -85,6 +85,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     native_stack_layers = True  # layers the one-call C++ stack may run (native_stack.py)
+    layer_class: type[nn.Module] = LlamaDecoderLayer  # a family's own (models/gemma.py)
 
     def __init__(self, config, group, max_positions: int, variant: BlockVariant):
         super().__init__()
@@ -99,7 +100,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
+            self.layer_class(
                 config,
                 head_dim,
                 group,
@@ -133,13 +134,18 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        rope = self.rotary.for_step(positions, hidden.dtype)
+        ropes = self.step_ropes(positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, rope, kv_cache in zip(self.layers, ropes, kv_caches):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
         if meta.output_rows is not None:
             hidden, residual = hidden[meta.output_rows], residual[meta.output_rows]
         return self.norm(hidden, residual)[0]
+
+    def step_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[StepRope]:
+        """Each layer's rotation of the step: one for all (Gemma 3's local layers have a base
+        of their own)."""
+        return [self.rotary.for_step(positions, dtype)] * len(self.layers)
 
     def forward_greedy(self, input_ids, positions, kv_caches, meta):
         """(forward's outputs for every token, each one's greedy token or -1) from one C++ call,

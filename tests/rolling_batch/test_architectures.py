@@ -30,6 +30,34 @@ VARIANTS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
     # GeGLU, scaled embeddings, (1 + w) norms, head_dim 16 (not 48 / 6).
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16, pad_token_id=0)),
+    # Gemma 2: norms before and after each sublayer, query_pre_attn_scalar, soft-capped
+    # scores and logits (caps small enough to bite), windows on alternate layers (past the
+    # prompt's length here: test_sliding_window_past_the_window_matches_hf runs them).
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=16,
+            pad_token_id=0,
+            query_pre_attn_scalar=20,
+            attn_logit_softcapping=0.3,
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    # Gemma 3: q/k norms, local and global layers with rotary bases (and scaling) of their own.
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            pad_token_id=0,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+            },
+        ),
+    ),
     # Falcon's three query_key_value layouts, LayerNorm with bias, plain GELU MLP.
     "falcon-7b": ("FalconConfig", "FalconForCausalLM", dict(multi_query=True)),
     "falcon-40b": (
@@ -128,6 +156,8 @@ def test_variant_matches_hf(variant, block_size, tmp_path):
         ("qwen3", False),
         ("phi3-partial-rotary", True),
         ("gemma", True),
+        ("gemma2", False),
+        ("gemma3", True),
         ("falcon-40b", True),
         ("falcon-7b", False),
         ("mixtral", True),
@@ -175,6 +205,17 @@ WINDOWED = {
         "Qwen2ForCausalLM",
         dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
     ),
+    # Gemma 2 and 3: the first layer local (windowed), the second global.
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(head_dim=16, pad_token_id=0, sliding_window=4, attn_logit_softcapping=2.0),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    ),
 }
 
 
@@ -186,10 +227,9 @@ def test_sliding_window_past_the_window_matches_hf(variant, block_size, tmp_path
     options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=block_size, max_num_seqs=2)
     runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
     windows = [layer.self_attn.sliding_window for layer in runner.model.model.layers]
-    assert windows == (
-        [None, 4] if variant == "qwen2" else [WINDOWED[variant][2]["sliding_window"]] * 2
-    )
-    if cpu_native.native_ops() is not None and variant != "phi3":
+    expected_windows = {"qwen2": [None, 4], "gemma2": [4, None], "gemma3": [4, None]}
+    assert windows == expected_windows.get(variant, [WINDOWED[variant][2]["sliding_window"]] * 2)
+    if cpu_native.native_ops() is not None and variant in ("mistral", "qwen2"):
         assert runner.model.model.native_stack is not None  # the C++ stack slides too
     logits, sequence = assert_steps_match_hf(runner, hf_model, variant, decodes=2)
     # The same weights seeing every key answer otherwise: the window is what matched.
@@ -197,8 +237,9 @@ def test_sliding_window_past_the_window_matches_hf(variant, block_size, tmp_path
     windowless = {
         k: v for k, v in extra.items() if k not in ("sliding_window", "use_sliding_window")
     }
+    no_window = 1024 if variant.startswith("gemma") else None  # Gemma's HF needs a number
     full = save_tiny(
-        tmp_path / "full", config_name, model_name, {**windowless, "sliding_window": None}
+        tmp_path / "full", config_name, model_name, {**windowless, "sliding_window": no_window}
     )
     with torch.inference_mode():
         assert not torch.allclose(logits, full(torch.tensor([sequence])).logits[0, -1], atol=1e-3)
@@ -212,7 +253,8 @@ def test_a_window_as_long_as_the_context_is_plain_attention(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "variant", ["qwen3", "gemma", "phi3", "falcon-7b", "falcon-40b", "mixtral", "qwen3-moe"]
+    "variant",
+    ["qwen3", "gemma", "gemma3", "phi3", "falcon-7b", "falcon-40b", "mixtral", "qwen3-moe"],
 )
 def test_int8_weights_give_hf_logits_on_the_dequantized_weights(variant, tmp_path):
     """option.quantize=int8 on each native family: every linear (each expert's too; routers
