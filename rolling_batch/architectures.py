@@ -71,11 +71,12 @@ NATIVE_FAMILIES = (
         "Qwen3", ("Qwen3ForCausalLM",), "qwen3:Qwen3ForCausalLM", gguf=("qwen3",), notes=""
     ),
     NativeFamily(
-        "Phi-3 (4k, 8k context)",
+        "Phi-3, Phi-3.5, Phi-4-mini",
         ("Phi3ForCausalLM",),
         "phi3:Phi3ForCausalLM",
         lora="o_proj, down_proj (fused qkv_proj, gate_up_proj refused)",
-        notes="LongRoPE checkpoints (128k context, Phi-4-mini) refused; " + _WINDOW_NOTE,
+        notes="LongRoPE (128k context, Phi-4-mini): the long factors where option.max_model_len"
+        " exceeds the original context, else the short; " + _WINDOW_NOTE,
     ),
     NativeFamily("Gemma", ("GemmaForCausalLM",), "gemma:GemmaForCausalLM"),
     NativeFamily(
@@ -96,6 +97,13 @@ NATIVE_FAMILIES = (
         "falcon:FalconForCausalLM",
         lora="no (refused at start-up)",
         notes="ALiBi variants refused",
+    ),
+    NativeFamily(
+        "GPT-NeoX, Pythia",
+        ("GPTNeoXForCausalLM",),
+        "gpt_neox:GPTNeoXForCausalLM",
+        lora="no (refused at start-up)",
+        notes="parallel or sequential residual; partial rotary",
     ),
     NativeFamily(
         "Mixtral (MoE)",
@@ -122,7 +130,6 @@ NATIVE_FAMILIES = (
 # Families with no native module that the generic path is tested on against HF
 # (tests/rolling_batch/test_generic_path.py): architecture -> family.
 GENERIC_TESTED = {
-    "GPTNeoXForCausalLM": "GPT-NeoX, Pythia",
     "Olmo2ForCausalLM": "OLMo 2",
     "GraniteForCausalLM": "Granite",
     "Starcoder2ForCausalLM": "StarCoder2",
@@ -136,9 +143,12 @@ NATIVE_ARCHITECTURES = {
 GGUF_ARCHITECTURES = {
     gguf: family.architectures[0] for family in NATIVE_FAMILIES for gguf in family.gguf
 }
-# Rope scalings whose frequencies do not change with the sequence's length (the others,
-# "dynamic" and "longrope", are refused by name before anything starts).
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+# Rope scalings whose frequencies are fixed for a served model: LongRoPE's long factors where
+# option.max_model_len exceeds the checkpoint's original context, else its short ones (vLLM's
+# choice too: HF switches per forward, so one sequence's keys could mix both). "dynamic" NTK,
+# whose frequencies change with each sequence's length, is refused by name before anything
+# starts.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional", "longrope")
 ALTERNATIVE = (
     "engine=Python with option.rolling_batch=disable serves any causal LM transformers loads"
     " (HF generate, dynamic batching)"

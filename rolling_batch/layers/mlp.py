@@ -1,12 +1,14 @@
 """The gated MLP (SwiGLU, or GeGLU with GELU-tanh) of the Llama-style families, also each
 expert and shared expert of a mixture of experts (layers/moe.py): gate and up in one
 column-parallel matmul, down row-parallel. `partial` stops before the all-reduce, so a layer
-that sums several MLPs (the experts a token chose) reduces once."""
+that sums several MLPs (the experts a token chose) reduces once. And the plain MLP (one
+up-projection, an activation, down) of Falcon and GPT-NeoX, under their checkpoints' names."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.activations import ACT2FN
 
 from lmserve.kernels import cpu_native
 
@@ -56,3 +58,25 @@ class GatedMLP(nn.Module):
             return native.silu_and_mul(gate_up)
         gate, up = gate_up.split(self.local, dim=-1)
         return nn.functional.silu(gate) * up
+
+
+class PlainMLP(nn.Module):
+    """dense_4h_to_h(act(dense_h_to_4h(x))), column- then row-parallel; `activation`: HF's
+    name (its ACT2FN gives the same function HF's module applies)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        group: TensorParallelGroup,
+        activation: str,
+        bias: bool,
+    ):
+        super().__init__()
+        self.dense_h_to_4h = MergedColumnLinear(hidden_size, [intermediate_size], group, bias)
+        start, local = balanced_split(intermediate_size, group.world_size, group.rank)
+        self.dense_4h_to_h = RowLinear(start, local, hidden_size, group, bias)
+        self.act = ACT2FN[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))

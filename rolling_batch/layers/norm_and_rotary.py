@@ -15,7 +15,7 @@ from lmserve.kernels import cpu_native
 
 from ..architectures import STATIC_ROPE_TYPES
 
-# Static frequency schemes. "dynamic" and "longrope" change with the sequence length.
+# Frequency schemes fixed for a served model ("dynamic" changes with the sequence's length).
 SUPPORTED_ROPE_TYPES = STATIC_ROPE_TYPES
 
 
@@ -81,11 +81,13 @@ def rotary_dim(config, head_dim: int) -> int:
 
 
 def rope_frequencies(
-    config, head_dim: int, layer_type: str | None = None
+    config, head_dim: int, layer_type: str | None = None, max_positions: int | None = None
 ) -> tuple[torch.Tensor, float]:
     """(inverse frequencies, attention scaling) for the config's rope parameters; `head_dim`:
     the rotated dims (rotary_dim). `layer_type`: the kind of layer whose parameters to take
-    where the config keeps them per kind (Gemma 3's sliding and full attention)."""
+    where the config keeps them per kind (Gemma 3's sliding and full attention).
+    `max_positions`: the served context, which picks LongRoPE's factors (the long ones
+    beyond the original context: architectures.STATIC_ROPE_TYPES)."""
     parameters = getattr(config, "rope_parameters", None) or {}
     if layer_type is not None:
         parameters = parameters[layer_type]
@@ -99,7 +101,10 @@ def rope_frequencies(
         return 1.0 / (base**exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type)
+    seq_len = max_positions if rope_type == "longrope" else None
+    return ROPE_INIT_FUNCTIONS[rope_type](
+        config, torch.device("cpu"), seq_len=seq_len, layer_type=layer_type
+    )
 
 
 @dataclass(frozen=True)
@@ -144,7 +149,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim = rotary_dim(config, head_dim)
         self.partial = self.rotary_dim < head_dim  # tables of rotary_dim columns then
-        inv_freq, scaling = rope_frequencies(config, self.rotary_dim, layer_type)
+        inv_freq, scaling = rope_frequencies(config, self.rotary_dim, layer_type, max_positions)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)

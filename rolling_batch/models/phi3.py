@@ -1,9 +1,10 @@
 """Phi-3: the Llama block with Q, K and V in one checkpoint matrix (`qkv_proj`) and gate and up
 in another (`gate_up_proj`), and a rotation of the leading `partial_rotary_factor` of each head
-where the config sets one (Phi-4-mini's 0.75; its LongRoPE scaling, as Phi-3-128k's, is refused
-before start-up: architectures.py). The fused matrices are split back into
-Llama's projections as they load, so each linear's loader shards them as it shards Llama's
-(query and KV heads by rank, gate and up by columns)."""
+where the config sets one (Phi-4-mini's 0.75), and LongRoPE scaling in the long-context
+checkpoints (Phi-3-128k, Phi-3.5, Phi-4-mini): layers/norm_and_rotary.py takes the long or
+short factors by the served context (architectures.STATIC_ROPE_TYPES). The fused matrices
+are split back into Llama's projections as they load, so each linear's loader shards them as
+it shards Llama's (query and KV heads by rank, gate and up by columns)."""
 
 from __future__ import annotations
 

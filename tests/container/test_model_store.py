@@ -459,9 +459,9 @@ def test_a_truncated_or_corrupt_gguf_is_refused_naming_the_file(tmp_path):
     ("config", "named"),
     [
         ('{"architectures": ["FalconForCausalLM"], "alibi": true}', "FalconForCausalLM (alibi)"),
-        (  # Phi-3-mini-128k's scaling, in the older config key
-            '{"architectures": ["Phi3ForCausalLM"], "rope_scaling": {"type": "longrope"}}',
-            "Phi3ForCausalLM (rope_type=longrope)",
+        (  # dynamic NTK scaling, in the older config key
+            '{"architectures": ["LlamaForCausalLM"], "rope_scaling": {"type": "dynamic"}}',
+            "LlamaForCausalLM (rope_type=dynamic)",
         ),
     ],
 )

@@ -1,5 +1,5 @@
 """Families beyond Llama served over HTTP by the rolling batch: Falcon (40B-style: grouped KV
-heads, two LayerNorms) and Mixtral (a mixture of experts) on their native modules, GPT-NeoX
+heads, two LayerNorms) and Mixtral (a mixture of experts) on their native modules, OLMo 2
 (no native module) on the generic path. The start-up log names the path, and concurrent
 requests, streamed and not, get HF's greedy tokens."""
 
@@ -32,7 +32,7 @@ SIZES = dict(
 )
 # architecture -> (its config's fields beyond SIZES, the start-up line naming its path)
 FAMILIES = {
-    "GPTNeoXForCausalLM": (dict(rotary_pct=0.5), "the rolling batch's generic path"),
+    "Olmo2ForCausalLM": (dict(num_key_value_heads=2), "the rolling batch's generic path"),
     "FalconForCausalLM": (
         dict(new_decoder_architecture=True, num_kv_heads=2),
         "the rolling batch's native falcon:FalconForCausalLM",

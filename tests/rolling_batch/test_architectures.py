@@ -70,6 +70,31 @@ VARIANTS = {
         "FalconForCausalLM",
         dict(multi_query=False, parallel_attn=False, bias=True, tie_word_embeddings=False),
     ),
+    # GPT-NeoX (Pythia): per-head fused query_key_value, parallel residual with two norms (or
+    # sequential), a quarter of each head rotated, untied embed_out.
+    "gpt-neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.25,
+            }
+        ),
+    ),
+    "gpt-neox-sequential": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(
+            use_parallel_residual=False,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+    ),
     # Fused qkv_proj and gate_up_proj in the checkpoint; Phi-4-mini's partial rotation.
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
     "phi3-partial-rotary": (
@@ -158,6 +183,7 @@ def test_variant_matches_hf(variant, block_size, tmp_path):
         ("gemma", True),
         ("gemma2", False),
         ("gemma3", True),
+        ("gpt-neox", False),
         ("falcon-40b", True),
         ("falcon-7b", False),
         ("mixtral", True),
@@ -254,7 +280,10 @@ def test_a_window_as_long_as_the_context_is_plain_attention(tmp_path):
 
 @pytest.mark.parametrize(
     "variant",
-    ["qwen3", "gemma", "gemma3", "phi3", "falcon-7b", "falcon-40b", "mixtral", "qwen3-moe"],
+    [
+        *["qwen3", "gemma", "gemma3", "phi3", "falcon-7b", "falcon-40b", "gpt-neox"],
+        *["mixtral", "qwen3-moe"],
+    ],
 )
 def test_int8_weights_give_hf_logits_on_the_dequantized_weights(variant, tmp_path):
     """option.quantize=int8 on each native family: every linear (each expert's too; routers
@@ -306,7 +335,13 @@ def test_a_hidden_size_int8_cannot_group_keeps_the_embedding_dense(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("variant", "family"), [("falcon-7b", "Falcon"), ("mixtral", "Mixtral"), ("qwen3-moe", "Qwen3")]
+    ("variant", "family"),
+    [
+        ("falcon-7b", "Falcon"),
+        ("gpt-neox", "GPT-NeoX"),
+        ("mixtral", "Mixtral"),
+        ("qwen3-moe", "Qwen3"),
+    ],
 )
 def test_lora_on_a_family_without_it_is_refused_before_start(variant, family, tmp_path):
     from lmserve.rolling_batch.architectures import EngineRequest, UnservableModel, serving_path
@@ -371,3 +406,54 @@ def test_a_quantized_checkpoint_no_loader_reads_is_refused_before_start(variant,
     expected = rf"quantized with {method}.*served on LlamaForCausalLM, MistralForCausalLM"
     with pytest.raises(UnservableModel, match=expected):
         serving_path(tmp_path)
+
+
+def test_pythia_checkpoints_with_saved_attention_masks_load(tmp_path):
+    """Pythia's uploads hold each layer's causal-mask buffers (`attention.bias`, bool, and
+    `attention.masked_bias`) beside the weights: skipped, the logits HF's."""
+    from safetensors.torch import load_file, save_file
+
+    hf_model = save_tiny(tmp_path, *VARIANTS["gpt-neox"])
+    weights = load_file(tmp_path / "model.safetensors")
+    for layer in range(2):
+        prefix = f"gpt_neox.layers.{layer}.attention"
+        weights[f"{prefix}.bias"] = torch.tril(torch.ones(64, 64, dtype=torch.bool))[None, None]
+        weights[f"{prefix}.masked_bias"] = torch.tensor(-1e9)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    options = RuntimeOptions(dtype="fp32", max_model_len=64, max_num_seqs=2)
+    runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
+    assert_steps_match_hf(runner, hf_model, "pythia")
+
+
+LONGROPE = dict(  # (max_position_embeddings 128, from COMMON: the factor 4 of the scaling)
+    pad_token_id=0,
+    original_max_position_embeddings=32,  # Phi3Config's own field, copied into the rope's
+    rope_parameters={
+        "rope_type": "longrope",
+        "rope_theta": 1e4,
+        "original_max_position_embeddings": 32,
+        "short_factor": [1.0, 1.5, 2.0, 3.0],
+        "long_factor": [2.0, 4.0, 9.0, 20.0],
+    },
+)
+
+
+@pytest.mark.parametrize(("max_model_len", "prompt_len"), [(32, 20), (64, 40)])
+def test_phi3_longrope_takes_the_factors_of_the_served_context(max_model_len, prompt_len, tmp_path):
+    """Phi-3-128k's / Phi-4-mini's LongRoPE: a served context within the original 32 takes
+    the short factors, a longer one the long factors, with the attention scaling either way:
+    HF's logits on a prompt of that size (HF picks by the sequence's length). A prompt within
+    the original context served with the long factors is not HF's short answer: the served
+    length decides."""
+    hf_model = save_tiny(tmp_path, "Phi3Config", "Phi3ForCausalLM", LONGROPE)
+    options = RuntimeOptions(dtype="fp32", max_model_len=max_model_len, max_num_seqs=2)
+    runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
+    prompt = [(7 * i) % 290 + 3 for i in range(prompt_len)]
+    assert_steps_match_hf(runner, hf_model, "longrope", prompt=prompt, split=prompt_len)
+    if max_model_len > 32:
+        short_prompt = prompt[:20]
+        blocks = tuple(range(runner.num_blocks // 2))
+        (logits,) = runner.execute([SequenceChunk(tuple(short_prompt), 0, blocks, True)])
+        with torch.inference_mode():
+            short = hf_model(torch.tensor([short_prompt])).logits[0, -1]
+        assert not torch.allclose(logits, short, rtol=1e-3, atol=1e-3)

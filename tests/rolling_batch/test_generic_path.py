@@ -119,22 +119,22 @@ def test_start_up_names_the_generic_path(tmp_path):
 REFUSED = {
     # (config, model, extra, settings, what the message names)
     "tensor parallel": (
-        "GPTNeoXConfig",
-        "GPTNeoXForCausalLM",
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
         {},
         EngineRequest(tensor_parallel_degree=2),
         "tensor_parallel_degree=1",
     ),
     "quantize": (
-        "GPTNeoXConfig",
-        "GPTNeoXForCausalLM",
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
         {},
         EngineRequest(quantize="int8"),
         "option.quantize=int8",
     ),
     "lora": (
-        "GPTNeoXConfig",
-        "GPTNeoXForCausalLM",
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
         {},
         EngineRequest(enable_lora=True),
         "option.enable_lora",
@@ -182,8 +182,9 @@ def test_attention_sinks_stop_the_load_naming_them():
 
 
 def test_the_families_tested_here_are_the_ones_the_readme_lists():
-    """Those without a native module (the README's generic rows; Gemma 2 and 3 are tested
-    here too, through option.model_impl=transformers, the only soft-capping models)."""
+    """Those without a native module (the README's generic rows; GPT-NeoX, Gemma 2 and 3
+    are tested here too, through option.model_impl=transformers: the generic path's partial
+    rotation, soft-capping and per-layer rotary bases)."""
     names = {model_name for _, model_name, _ in FAMILIES.values()}
     assert {name for name in names if name not in NATIVE_ARCHITECTURES} == set(GENERIC_TESTED)
 
@@ -203,6 +204,6 @@ def test_model_impl_transformers_runs_a_native_family_on_the_generic_path(tmp_pa
         assert isinstance(runner.model, GenericCausalLM) == (impl == "transformers")
         (logits,) = runner.execute([SequenceChunk(tuple(prompt), 0, (0,), True)])
         assert (logits - expected).abs().max() / expected.abs().max() < 1e-4
-    save_tiny(tmp_path / "neox", *FAMILIES["gpt-neox"])
+    save_tiny(tmp_path / "olmo2", *FAMILIES["olmo2"])
     with pytest.raises(UnservableModel, match="option.model_impl=native"):
-        serving_path(tmp_path / "neox", EngineRequest(model_impl="native"))
+        serving_path(tmp_path / "olmo2", EngineRequest(model_impl="native"))

@@ -38,13 +38,16 @@ def save_tiny(folder, config_name: str, model_name: str, extra: dict, **sizes):
     return model
 
 
-def assert_steps_match_hf(runner, hf_model, label: str, decodes: int = 1):
-    """PROMPT in two chunks, then `decodes` decode tokens, on the runner's first half of
-    blocks: each step's last logits within 1e-4 (relative) of HF's on the whole sequence.
-    Returns (the last step's logits, the whole sequence)."""
+def assert_steps_match_hf(
+    runner, hf_model, label: str, decodes: int = 1, prompt: list[int] = PROMPT, split: int = 6
+):
+    """`prompt` in two chunks (at `split`; one where it is the prompt's length), then `decodes`
+    decode tokens, on the runner's first half of blocks: each step's last logits within 1e-4
+    (relative) of HF's on the whole sequence. Returns (the last step's logits, the whole
+    sequence)."""
     blocks = tuple(range(runner.num_blocks // 2))
-    steps = [(PROMPT[:6], 0), (PROMPT[6:], 6)]
-    steps += [([123 + i], len(PROMPT) + i) for i in range(decodes)]
+    steps = [(prompt[:split], 0)] + ([(prompt[split:], split)] if split < len(prompt) else [])
+    steps += [([123 + i], len(prompt) + i) for i in range(decodes)]
     sequence: list[int] = []
     for new, computed in steps:
         sequence += new
