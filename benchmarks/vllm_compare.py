@@ -92,6 +92,8 @@ class Workload:
 
 WORKLOADS = (
     Workload("burst32-in32-out128", 32, Lengths(32, 32), Lengths(128, 128)),
+    # The per-family comparison's (issue 54): prompts long enough that prefill counts too.
+    Workload("burst32-in128-out128", 32, Lengths(128, 128), Lengths(128, 128)),
     Workload("burst64-uniform16-256", 64, Lengths(16, 256), Lengths(16, 256)),
     # One stream: per-step latency at batch 1, where fixed per-step costs are all there is.
     Workload("single-in32-out256", 8, Lengths(32, 32), Lengths(256, 256), concurrency=1),
@@ -115,7 +117,7 @@ VLLM_CWD = tempfile.gettempdir()
 
 
 def lmserve_properties(
-    dtype: str, prefix_caching: bool = True, speculate: bool = False
+    dtype: str, prefix_caching: bool = True, speculate: bool = False, model: Path | None = None
 ) -> dict[str, object]:
     drafts = {
         "option.speculative_draft_model": "[ngram]",
@@ -123,6 +125,7 @@ def lmserve_properties(
     }
     return {
         **(drafts if speculate else {}),
+        **({"option.model_id": str(model)} if model is not None else {}),
         "option.enable_prefix_caching": str(prefix_caching).lower(),
         "engine": "MPI",
         "option.tensor_parallel_degree": 1,
@@ -136,7 +139,13 @@ def lmserve_properties(
 
 @contextmanager
 def running_vllm(
-    python: str, model_dir: Path, dtype: str, port: int, log_path: Path, speculate: bool = False
+    python: str,
+    model_dir: Path,
+    dtype: str,
+    port: int,
+    log_path: Path,
+    speculate: bool = False,
+    served_name: str = "smollm2",
 ):
     """vLLM's OpenAI server on loopback; yields its base URL once /health answers."""
     cores = len(os.sched_getaffinity(0))
@@ -158,7 +167,7 @@ def running_vllm(
         "--model",
         str(model_dir),
         "--served-model-name",
-        "smollm2",
+        served_name,
         "--host",
         "127.0.0.1",
         "--port",
@@ -245,6 +254,12 @@ def main() -> None:
         help="n-gram speculative decoding in lmserve, or in both servers",
     )
     parser.add_argument(
+        "--model",
+        type=Path,
+        help="an HF folder both serve (random_models.py writes them); default: the embedded"
+        " SmolLM2-135M",
+    )
+    parser.add_argument(
         "--workloads",
         nargs="+",
         choices=[w.name for w in WORKLOADS],
@@ -259,7 +274,12 @@ def main() -> None:
 
     from lmserve.rolling_batch.model_source import local_model_path
 
-    model_dir = local_model_path(None, default_cache_dir())
+    model_dir = (
+        options.model.resolve() if options.model else local_model_path(None, default_cache_dir())
+    )
+    name = options.model.name if options.model else "smollm2"
+    model_label = options.model.name if options.model else "SmolLM2-135M"
+    model = model_dir if options.model else None  # lmserve serves its embedded model by default
     builder = PromptBuilder(str(model_dir / "tokenizer.json"), seed=0)
     # Fresh prompts for every round: nothing either server saw before.
     planned = {
@@ -281,18 +301,27 @@ def main() -> None:
         speculate = options.speculate is not None
         vllm_speculates = options.speculate == "both"
         with (
-            running_server(lmserve_properties(dtype, True, speculate), options.port) as (ours, _),
+            running_server(lmserve_properties(dtype, True, speculate, model), options.port) as (
+                ours,
+                _,
+            ),
             running_vllm(
-                options.vllm_python, model_dir, dtype, options.port + 1, log_path, vllm_speculates
+                options.vllm_python,
+                model_dir,
+                dtype,
+                options.port + 1,
+                log_path,
+                vllm_speculates,
+                name,
             ) as peer,
             _maybe_server(
-                uncached, lmserve_properties(dtype, False, speculate), options.port + 2
+                uncached, lmserve_properties(dtype, False, speculate, model), options.port + 2
             ) as off,
         ):
             for (w, round_), requests in planned.items():
                 label = f", round {round_}" if options.rounds > 1 else ""
                 lmserve_run = measure(ours, "openai", requests, None, w.concurrency, GREEDY)
-                vllm_run = measure(peer, "openai", requests, "smollm2", w.concurrency, GREEDY)
+                vllm_run = measure(peer, "openai", requests, name, w.concurrency, GREEDY)
                 runs[w.name][f"lmserve (rolling, paged){label}"] = lmserve_run
                 runs[w.name][f"{vllm_label}{label}"] = vllm_run
                 pairs[w.name].append((lmserve_run, vllm_run))
@@ -305,8 +334,10 @@ def main() -> None:
             "both": ", both with n-gram speculative decoding",
         }[options.speculate]
         for w in workloads:
-            title = f"lmserve vs vLLM, {dtype}{drafts}: {w.describe()}, SmolLM2-135M, 2-core CPU"
+            title = f"lmserve vs vLLM, {dtype}{drafts}: {w.describe()}, {model_label}, 2-core CPU"
             folder = f"{w.name}-{dtype}" + (f"-ngram-{options.speculate}" if speculate else "")
+            if options.model:
+                folder = f"{name}/{folder}"
             report.write(runs[w.name], options.out / folder, title)
             print(f"\n{title}\n{report.markdown(runs[w.name])}")
             if w.concurrency is None:  # a burst: where its ratio comes from, prompts or decodes
