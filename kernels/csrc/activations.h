@@ -43,8 +43,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up must be contiguous [tokens, 2 * intermediate]");
   auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(),
-                                  "silu_and_mul", [&] { silu_and_mul_impl<scalar_t>(gate_up, out); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul",
+      [&] { silu_and_mul_impl<scalar_t>(gate_up, out); });
   return out;
 }
 

@@ -15,9 +15,10 @@ namespace {
 // sees keys 0..position, or with a sliding window the `window` keys up to it (a row's first
 // key is then position - window + 1: an item starts at its first row's, and the keys before a
 // later row's first are masked for it). A softcap (Gemma 2's) squashes each scaled score into
-// (-softcap, softcap) by softcap * tanh(score / softcap) before the softmax. A work item is (sequence, KV head, tile of query tokens): the query
-// heads sharing the KV head and the tile's tokens are its rows, so each K/V row is read once
-// from the cache, in place, for all of them.
+// (-softcap, softcap) by softcap * tanh(score / softcap) before the softmax. A work item is
+// (sequence, KV head, tile of query tokens): the query heads sharing the KV head and the
+// tile's tokens are its rows, so each K/V row is read once from the cache, in place, for all
+// of them.
 //
 // Keys go kKeyChunk at a time (across cache blocks) through an online softmax (running max and
 // sum per row). Many rows (a prompt tile) keep a chunk's scores transposed, [key][row]: the
@@ -315,7 +316,7 @@ struct AttentionState {
     first_key = correction + row_pad;  // the first key each row may see, as a float
     last_key = first_key + row_pad;    // the last key each row may see, as a float
     keys_f = last_key + row_pad;       // [chunk][d] widened K (bf16, fp16)
-    values_f = keys_f + chunk * d;    // [chunk][d] widened V
+    values_f = keys_f + chunk * d;     // [chunk][d] widened V
     q_row = values_f + chunk * d;
     zeros = q_row + d;  // stands in for the keys past the end of a partial chunk
     // Only what is read before it is written: transposed Q's padding lanes are computed with
