@@ -12,9 +12,10 @@ Grouped-query attention: query head `h` reads KV head `h // (q_heads // kv_heads
 On CPU the C++ kernel (`cpu_native`) serves, on CUDA the Triton one, windows and soft-capping
 included; the torch reference here is what they are tested against and the fallback without a
 compiler. The reference pads sequences to the longest query and context so one batched matmul
-serves many (a Python loop per sequence costs more than the math at decode sizes). Everything that depends only on
-the step's layout (which cache slots each sequence reads, the causal mask, where query rows
-go) is a `ReferencePlan`, built once per step and shared by every layer.
+serves many (a Python loop per sequence costs more than the math at decode sizes). Everything
+that depends only on the step's layout (which cache slots each sequence reads, the causal
+mask, where query rows go) is a `ReferencePlan`, built once per step and shared by every
+layer.
 """
 
 from __future__ import annotations
