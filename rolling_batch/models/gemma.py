@@ -70,12 +70,14 @@ class Gemma2Model(LlamaModel):
 class Gemma3Model(Gemma2Model):
     def __init__(self, config, group, max_positions: int, variant: BlockVariant):
         super().__init__(config, group, max_positions, variant)
-        head_dim = self.layers[0].self_attn.head_dim
-        self.rotary = RotaryEmbedding(config, head_dim, max_positions, "full_attention")
-        self.local_rotary = RotaryEmbedding(config, head_dim, max_positions, "sliding_attention")
         # Which layers rotate by the local table: those that slide, as HF's layer_types say
         # (even where this context is no longer than the window, so no window is applied).
         self.local_layers = [kind == "sliding_attention" for kind in config.layer_types]
+
+    def make_rotary(self, config, head_dim: int, max_positions: int) -> RotaryEmbedding:
+        """The global layers' table; the local layers' one beside it."""
+        self.local_rotary = RotaryEmbedding(config, head_dim, max_positions, "sliding_attention")
+        return RotaryEmbedding(config, head_dim, max_positions, "full_attention")
 
     def step_ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[StepRope]:
         local = self.local_rotary.for_step(positions, dtype)
@@ -89,19 +91,6 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
     def __init__(self, config, group, max_positions: int):
         super().__init__(config, group, max_positions)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
-        if self.final_softcap is None:
-            return logits
-        return torch.tanh(logits / self.final_softcap) * self.final_softcap
-
-    def pack_weights(self, quantize: str | None = None) -> None:
-        super().pack_weights(quantize)
-        if self.final_softcap is not None:
-            # The greedy head picks the largest raw logit; capped logits that round to one
-            # value tie in HF's argmax, which then takes the first: the capped logits decide.
-            self.greedy_head = None
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..layers.attention import Attention
 from ..layers.embedding import VocabParallelEmbedding
-from ..layers.norm_and_rotary import LayerNorm, RotaryEmbedding
+from ..layers.norm_and_rotary import LayerNorm
 from ..layers.parallel import TensorParallelGroup, shard_heads
 from .llama import LlamaModel
 
@@ -59,7 +59,7 @@ class LayerNormModel(LlamaModel):
 
     def __init__(self, config, group, max_positions: int, variant=None):
         nn.Module.__init__(self)
-        self.rotary = RotaryEmbedding(config, self.head_dim(config), max_positions)
+        self.rotary = self.make_rotary(config, self.head_dim(config), max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         self.layers = nn.ModuleList(
             self.make_layer(config, group) for _ in range(config.num_hidden_layers)

@@ -97,7 +97,7 @@ class LlamaModel(nn.Module):
         is_qwen2 = "Qwen2ForCausalLM" in (config.architectures or [])
         o_bias = getattr(config, "attention_bias", False)
         qkv_bias = o_bias or is_qwen2 or getattr(config, "qkv_bias", False)
-        self.rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.rotary = self.make_rotary(config, head_dim, max_positions)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         self.layers = nn.ModuleList(
             self.layer_class(
@@ -118,6 +118,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.native_stack = None  # set by LlamaForCausalLM.pack_weights where it applies
         self.lora_step: LoraStep | None = None  # LoRA: the stack serves steps without adapters
+
+    def make_rotary(self, config, head_dim: int, max_positions: int) -> RotaryEmbedding:
+        """The rotary table `step_ropes` hands the layers (Gemma 3 builds a second)."""
+        return RotaryEmbedding(config, head_dim, max_positions)
 
     def make_mlp(self, config, group, variant: BlockVariant, layer_index: int) -> nn.Module:
         """Layer `layer_index`'s MLP (a mixture of experts in the families with one:
@@ -193,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
     model_class: type[nn.Module] = LlamaModel  # a family with other layers (models/falcon.py)
     # (pattern, replacement) pairs applied in order to each checkpoint tensor's name
     renamed_tensors: tuple[tuple[re.Pattern, str], ...] = ()
+    # Final logits squashed into (-cap, cap) by cap * tanh(logit / cap) (Gemma 2), None: not.
+    final_softcap: float | None = None
 
     def __init__(self, config, group: TensorParallelGroup, max_positions: int):
         super().__init__()
@@ -224,7 +230,10 @@ class LlamaForCausalLM(nn.Module):
             local = self.lm_head_packed(hidden)
         else:
             local = nn.functional.linear(hidden, self._lm_head_weight())
-        return self.model.embed_tokens.gather_logits(local).float()
+        logits = self.model.embed_tokens.gather_logits(local).float()
+        if self.final_softcap is None:
+            return logits
+        return torch.tanh(logits / self.final_softcap) * self.final_softcap
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each row's greedy token, the argmax of its fp32 logits, through the GreedyHead; the
@@ -279,7 +288,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_packed = try_pack(self._lm_head_weight().data)
             # Its exact logits are the fp32 panels' bits; with TP each rank holds a slice.
             whole = self.model.embed_tokens.group.world_size == 1
-            if isinstance(self.lm_head_packed, NativeLinearWeight) and whole:
+            # The greedy head picks the largest raw logit; capped logits that round to one
+            # value tie in HF's argmax, which then takes the first: capped ones decide.
+            uncapped = self.final_softcap is None
+            if isinstance(self.lm_head_packed, NativeLinearWeight) and whole and uncapped:
                 self.greedy_head = GreedyHead.try_build(self._lm_head_weight().data)
             self.model.native_stack = stack = native_stack(self.model)
             if stack is not None and self.greedy_head is not None:
