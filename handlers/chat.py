@@ -24,6 +24,7 @@ import msgspec
 
 from lmserve.rolling_batch.protocol import MAX_TOP_LOGPROBS, GenerationParams
 
+from .job import Dialect, GenerationJob
 from .outputs import Completion, TokenOutput
 from .request_parsing import MAX_SEQUENCES, BadRequest, _ParameterReader
 from .tokenizer import Tokenizer
@@ -32,26 +33,12 @@ _ROLES = ("system", "user", "assistant", "tool", "developer")
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 
 
-@dataclass(frozen=True)
-class ChatRequest:
-    messages: list[dict[str, Any]]
-    params: GenerationParams
-    stop_sequences: tuple[str, ...]
-    stream: bool
-    model: str | None
-    # OpenAI's function tools, passed through to the chat template as apply_chat_template does.
-    tools: list[dict[str, Any]] | None = None
-    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
-    n: int = 1  # choices to generate
-    logprobs: bool = False  # each token's log-prob (and params.top_logprobs alternatives)
-
-
 def is_chat(payload: Any) -> bool:
     return isinstance(payload, dict) and "messages" in payload
 
 
-def parse_chat(payload: dict[str, Any], served_model: str | None = None) -> ChatRequest:
-    """`served_model`: read_openai_sampling's."""
+def parse_chat(payload: dict[str, Any], served_model: str | None = None) -> GenerationJob:
+    """A chat body's job; `served_model`: read_openai_sampling's."""
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages", "expected a non-empty list of {role, content} objects")
@@ -66,16 +53,20 @@ def parse_chat(payload: dict[str, Any], served_model: str | None = None) -> Chat
     params = msgspec.structs.replace(
         sampling.params, top_logprobs=top_logprobs or 0, log_probs=logprobs
     )
-    return ChatRequest(
-        parsed,
-        params,
-        sampling.stop,
-        sampling.stream,
-        sampling.model,
-        _parse_tools(payload.get("tools")),
-        sampling.include_usage,
-        sampling.n,
-        logprobs,
+    return GenerationJob(
+        Dialect.CHAT,
+        prompts=[],  # the chat template renders `messages` into the one prompt
+        batched=False,
+        params=params,
+        stop_sequences=sampling.stop,
+        stream=sampling.stream,
+        n=sampling.n,
+        best_of=sampling.n,
+        messages=parsed,
+        tools=_parse_tools(payload.get("tools")),
+        model=sampling.model,
+        logprobs=logprobs,
+        include_usage=sampling.include_usage,
     )
 
 
@@ -228,19 +219,18 @@ class ChatResponder:
 
     content_type = "text/event-stream"
 
-    def __init__(
-        self, tokenizer: Tokenizer, model_name: str, num_prompt_tokens: int, request: ChatRequest
-    ):
+    def __init__(self, tokenizer: Tokenizer, model_name: str, job: GenerationJob):
         self.tokenizer = tokenizer
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model_name
-        self.num_prompt_tokens = num_prompt_tokens
-        self.request = request
+        self.request = job
         self._sent_role: set[int] = set()  # the choices whose first chunk went out
 
-    def completion(self, completions: list[Completion]) -> dict:
-        """A `chat.completion` with one choice per completion (OpenAI's `n`)."""
+    def answer(self, prompts: list[list[Completion]]) -> dict:
+        """A `chat.completion` with one choice per completion of its one prompt (OpenAI's
+        `n`)."""
+        (completions,) = prompts
         choices = [
             {
                 "index": index,
@@ -312,11 +302,12 @@ class ChatResponder:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def _usage(self, *completions: Completion) -> dict:
+        prompt_tokens = len(completions[0].prompt_ids)  # the choices share the prompt
         generated = sum(len(completion.token_ids) for completion in completions)
         return {
-            "prompt_tokens": self.num_prompt_tokens,
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": generated,
-            "total_tokens": self.num_prompt_tokens + generated,
+            "total_tokens": prompt_tokens + generated,
         }
 
 

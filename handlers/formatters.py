@@ -18,9 +18,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from lmserve.rolling_batch import protocol
+
+from .detokenizer import IncrementalDetokenizer
 from .djl_compat import INPUT_FORMATTER_MARK, OUTPUT_FORMATTER_MARK
 from .djl_request_io import TextGenerationOutput, TextInput, Token
 from .outputs import Completion, TokenOutput
+from .streamed_sequences import StreamedSequence, shape_event
 from .tokenizer import Tokenizer
 from .user_code import EntryPoint, UserCodeError, load
 
@@ -79,11 +83,24 @@ class FormattedGeneration:
     content_type = "application/jsonlines"  # DJL's for a custom formatter's stream
 
     def __init__(self, formatter, prompt: str, parameters: dict, request_id: str, tgi: bool,
-                 tokenizer: Tokenizer):  # fmt: skip
+                 tokenizer: Tokenizer, stop_sequences: tuple[str, ...] = ()):  # fmt: skip
         self.formatter = formatter
         self.tokenizer = tokenizer
+        self.stop_sequences = stop_sequences
         text_input = TextInput(request_id, prompt, parameters, tgi_compat=tgi)
         self.output = TextGenerationOutput(request_id, text_input)
+
+    def answer(self, prompts: list[list[Completion]]) -> str:
+        """One whole answer: the generation replayed token by token through the formatter,
+        its strings joined, as DJL joins a formatter's strings."""
+        ((completion,),) = prompts
+        detokenizer = IncrementalDetokenizer(self.tokenizer, self.stop_sequences)
+        sequence = StreamedSequence(0, completion.prompt, completion.prompt_ids, detokenizer)
+        replay = protocol.FinalEvent(
+            "", completion.token_ids, completion.log_probs, completion.finish_reason, 1,
+            completion.top_logprobs, completion.prompt_log_probs, completion.prompt_top_logprobs,
+        )  # fmt: skip
+        return "".join(shape_event(sequence, replay, self, self.tokenizer))
 
     def token(self, token: TokenOutput, completion: Completion | None) -> str:
         """The formatter's string for this token (`completion` on the last one)."""

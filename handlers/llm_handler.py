@@ -1,11 +1,13 @@
 """The built-in LLM handler: a request body in, the DJL/TGI/OpenAI-shaped answer out.
 
-Text payloads (`{"inputs": ..., "parameters": ...}` or text/plain) get DJL's shape, TGI's with
-option.tgi_compat; bodies with `messages` (and everything on /v1/chat/completions) are OpenAI
-chat. A model.py's input and output formatters (handlers/formatters.py), if it has them,
-reshape text requests on the way in and their answers on the way out. Generation itself, and the
-promise that every accepted request ends in exactly one answer, is the Predictor's
-(handlers/predictor.py).
+A table from route and body to a plan: which parser makes the body a GenerationJob (job.py)
+and which Responder shapes its answer. Text payloads (`{"inputs": ..., "parameters": ...}` or
+text/plain) get DJL's shape, TGI's with option.tgi_compat; bodies with `messages` (and
+everything on /v1/chat/completions) are OpenAI chat; bodies with `prompt` (and everything on
+/v1/completions) OpenAI completions. A model.py's input and output formatters
+(handlers/formatters.py), if it has them, reshape text requests on the way in and their
+answers on the way out. Generation itself, and the promise that every accepted request ends in
+exactly one answer, is the Predictor's (handlers/predictor.py).
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ import msgspec
 
 from lmserve.rolling_batch.runtime import Runtime
 
-from .chat import is_chat, parse_chat
+from .chat import ChatResponder, parse_chat
+from .djl_answers import DjlResponder
 from .djl_io import Input
 from .engine_events import ClientGone, PredictionError
 from .formatters import FormattedGeneration, load_formatters
 from .interface import OPENAI_ROUTES, EngineConnection, HandlerRequest, HandlerResponse, Route
+from .job import Dialect, GenerationJob
 from .openai_completions import CompletionResponder, parse_completion
 from .predictor import Predictor
-from .request_parsing import BadRequest, TextRequest, load_payload, parse_payload
-from .stream_format import StreamFormat
+from .request_parsing import BadRequest, load_payload, parse_payload, streamed
+from .responder import Responder
 
 _SSE = "text/event-stream"
 
@@ -39,6 +43,12 @@ class LLMHandler:
         self.formatters = load_formatters(
             runtime.formatters, runtime.user_dir, self.config.output_formatter
         )
+        # How each dialect's body becomes a job, and who shapes its answer.
+        self._plans = {
+            Dialect.DJL: self._djl,
+            Dialect.CHAT: self._chat,
+            Dialect.COMPLETION: self._completion,
+        }
 
     def handle(self, request: HandlerRequest) -> HandlerResponse:
         answer = self._handle(request)
@@ -58,63 +68,50 @@ class LLMHandler:
 
     def _answer(self, request: HandlerRequest) -> HandlerResponse:
         payload = self._payload(request)
-        if request.route is Route.COMPLETIONS:
-            return self._completions(payload, request)
-        if request.route is Route.CHAT_COMPLETIONS or is_chat(payload):
-            chat = parse_chat(payload, self._lora_base_model)
-            answer = self.predictor.chat(chat, request.request_id, request.client_gone)
-            if chat.stream:
-                return HandlerResponse(stream=answer, content_type=_SSE)
-            return HandlerResponse(json=answer)
-        parsed = parse_payload(payload, tgi_compat=self.config.tgi_compat)
+        plan = self._plans[dialect_of(request.route, payload)]
+        job, responder = plan(payload, request)
+        answer = self.predictor.run(job, request.request_id, responder, request.client_gone)
+        if job.stream:
+            return HandlerResponse(stream=answer, content_type=responder.content_type)
+        if isinstance(answer, str):  # a model.py's output formatter's strings
+            return HandlerResponse(body=answer.encode(), content_type=_content_type_of(answer))
+        return HandlerResponse(json=answer)
+
+    def _chat(self, payload: dict, request: HandlerRequest) -> tuple[GenerationJob, Responder]:
+        job = parse_chat(payload, self._lora_base_model)
+        return job, ChatResponder(self.predictor.tokenizer, self._model_named(job), job)
+
+    def _completion(
+        self, payload: dict, request: HandlerRequest
+    ) -> tuple[GenerationJob, Responder]:
+        job = parse_completion(payload, self._lora_base_model)
+        return job, CompletionResponder(self.predictor.tokenizer, self._model_named(job), job)
+
+    def _djl(self, payload: dict, request: HandlerRequest) -> tuple[GenerationJob, Responder]:
+        job = parse_payload(payload, tgi_compat=self.config.tgi_compat)
         # A format the request names wins over the server's, a model.py's formatter included,
         # as in DJL (a request's `output_formatter` parameter is read before the option).
-        if self.formatters.output is not None and parsed.output_formatter is None:
-            return self._formatted(parsed, request)
-        stream_kind = self._stream_kind(parsed, request.accept)
-        if stream_kind is None:
-            parsed = _log_probs_as_shown(parsed)
-            answer = self.predictor.predict(parsed, request.request_id, request.client_gone)
-            return HandlerResponse(json=answer)
-        fmt = StreamFormat(
-            stream_kind,
+        if self.formatters.output is not None and job.output_formatter is None:
+            return self._formatted(job, request)
+        kind = self._stream_kind(job, request.accept)
+        if kind == "json":
+            job = dataclasses.replace(_log_probs_as_shown(job), stream=False)
+        else:
+            job = streamed(job)
+        responder = DjlResponder(
+            kind,
             self.config.tgi_compat,
             self.predictor.tokenizer,
-            parsed.details,
-            parsed.return_full_text,
+            job.details,
+            job.return_full_text,
+            job.batched,
+            job.n,
         )
-        stream = self.predictor.stream(parsed, request.request_id, fmt)
-        return HandlerResponse(stream=stream, content_type=fmt.content_type)
+        return job, responder
 
-    def _completions(self, payload: dict, request: HandlerRequest) -> HandlerResponse:
-        parsed = parse_completion(payload, self._lora_base_model)
-        sampling = parsed.sampling
-        model = sampling.model or self.predictor.runtime.model_name
-        responder = CompletionResponder(self.predictor.tokenizer, model, parsed)
-        if sampling.stream:
-            prompt = parsed.prompts[0]
-            prompt_ids = self.predictor.prompt_ids(
-                prompt, sampling.params.max_new_tokens, "prompt", "max_tokens"
-            )
-            stream = self.predictor.stream_prompt(
-                prompt,
-                prompt_ids,
-                sampling.params,
-                sampling.stop,
-                request.request_id,
-                responder,
-                sampling.n,
-            )
-            return HandlerResponse(stream=stream, content_type=responder.content_type)
-        answers = self.predictor.complete_prompts(
-            parsed.prompts,
-            sampling.params,
-            sampling.stop,
-            request.request_id,
-            request.client_gone,
-            sampling.n,
-        )
-        return HandlerResponse(json=responder.completion(answers))
+    def _model_named(self, job: GenerationJob) -> str:
+        """The model an OpenAI answer names: the request's, else the served one."""
+        return job.model or self.predictor.runtime.model_name
 
     def _payload(self, request: HandlerRequest) -> dict:
         """The request's JSON payload, through the model.py's input formatter if it has one."""
@@ -134,40 +131,58 @@ class LLMHandler:
         kind = type(formatted).__name__
         raise BadRequest("body", f"the input formatter returned a {kind}, not a dict or TextInput")
 
-    def _formatted(self, parsed, request: HandlerRequest) -> HandlerResponse:
-        """A text request answered through the model.py's output formatter."""
-        formatter = self.formatters.output
-        request_id = request.request_id
+    def _formatted(
+        self, job: GenerationJob, request: HandlerRequest
+    ) -> tuple[GenerationJob, Responder]:
+        """A text request answered through the model.py's output formatter: one input, one
+        sequence, streamed or its strings joined."""
+        if job.stream:
+            job = streamed(job)
+        elif job.batched:
+            raise BadRequest("inputs", "a custom output formatter answers one input per request")
+        elif job.best_of > 1:
+            name = "best_of" if job.best_of > job.n else "n"
+            raise BadRequest(f"parameters.{name}", "a custom output formatter answers one sequence")
         shaped = FormattedGeneration(
-            formatter,
-            parsed.inputs[0],
-            _djl_parameters(parsed),
-            request_id,
+            self.formatters.output,
+            job.prompts[0],
+            _djl_parameters(job),
+            request.request_id,
             self.config.tgi_compat,
             self.predictor.tokenizer,
+            job.stop_sequences,
         )
-        if parsed.stream:
-            stream = self.predictor.stream(parsed, request_id, shaped)
-            return HandlerResponse(stream=stream, content_type=shaped.content_type)
-        body = self.predictor.predict_shaped(parsed, request_id, shaped, request.client_gone)
-        return HandlerResponse(body=body.encode(), content_type=_content_type_of(body))
+        return job, shaped
 
-    def _stream_kind(self, parsed: TextRequest, accept: str) -> str | None:
+    def _stream_kind(self, parsed: GenerationJob, accept: str) -> str:
         """jsonlines or sse when the request's `output_formatter`, option.output_formatter or
-        the request's `stream` asks for a stream, None for one JSON answer. A format the
+        the request's `stream` asks for a stream, json for one JSON answer. A format the
         request names decides alone (DJL: a named formatter wins over `stream`); a stream
         nothing names is SSE under tgi_compat (TGI streams SSE) or when the client accepts
         text/event-stream, jsonlines otherwise."""
         if parsed.output_formatter is not None:
-            return None if parsed.output_formatter == "json" else parsed.output_formatter
+            return parsed.output_formatter
         if self.config.output_formatter in ("jsonlines", "sse"):
             return self.config.output_formatter
         if not parsed.stream:
-            return None
+            return "json"
         return "sse" if self.config.tgi_compat or _SSE in accept else "jsonlines"
 
 
-def _log_probs_as_shown(parsed: TextRequest) -> TextRequest:
+def dialect_of(route: Route, payload: dict) -> Dialect:
+    """The OpenAI routes take their own dialect. /invocations (and /predictions) read the
+    body, as LMI's vLLM-based handler does: `messages` is chat, `prompt` (without `inputs`)
+    OpenAI completions, anything else DJL/TGI's `inputs`."""
+    if route is Route.COMPLETIONS:
+        return Dialect.COMPLETION
+    if route is Route.CHAT_COMPLETIONS or "messages" in payload:
+        return Dialect.CHAT
+    if "prompt" in payload and "inputs" not in payload:
+        return Dialect.COMPLETION
+    return Dialect.DJL
+
+
+def _log_probs_as_shown(parsed: GenerationJob) -> GenerationJob:
     """One JSON answer shows its tokens' log-probs only in `details` (where best_of's ranking
     reads them too): without, the engine need not compute them (GenerationParams.log_probs).
     Streams and formatters show them in every token."""
@@ -177,7 +192,7 @@ def _log_probs_as_shown(parsed: TextRequest) -> TextRequest:
     return dataclasses.replace(parsed, params=params)
 
 
-def _djl_parameters(parsed: TextRequest) -> dict:
+def _djl_parameters(parsed: GenerationJob) -> dict:
     """The request's parameters under the names DJL's formatters read."""
     params = parsed.params
     return {

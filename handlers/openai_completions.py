@@ -10,18 +10,17 @@ what chat refuses (chat.py) is refused here too."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from lmserve.rolling_batch.protocol import MAX_TOP_LOGPROBS
 
-from .chat import FINISH_REASONS, OpenAISampling, read_openai_sampling
+from .chat import FINISH_REASONS, read_openai_sampling
+from .job import Dialect, GenerationJob
 from .outputs import Completion, TokenOutput
 from .request_parsing import BadRequest, _ParameterReader
 from .tokenizer import Tokenizer
@@ -29,17 +28,8 @@ from .tokenizer import Tokenizer
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's
 
 
-@dataclass(frozen=True)
-class CompletionRequest:
-    prompts: list[str]
-    batched: bool
-    sampling: OpenAISampling
-    echo: bool
-    logprobs: int | None
-
-
-def parse_completion(payload: dict[str, Any], served_model: str | None = None) -> CompletionRequest:
-    """`served_model`: read_openai_sampling's."""
+def parse_completion(payload: dict[str, Any], served_model: str | None = None) -> GenerationJob:
+    """A completions body's job; `served_model`: read_openai_sampling's."""
     prompt = payload.get("prompt")
     batched = isinstance(prompt, list)
     prompts = prompt if batched else [prompt]
@@ -59,8 +49,20 @@ def parse_completion(payload: dict[str, Any], served_model: str | None = None) -
         prompt_logprobs=echo and logprobs is not None,
         log_probs=logprobs is not None,
     )
-    sampling = dataclasses.replace(sampling, params=params)
-    return CompletionRequest(prompts, batched, sampling, echo, logprobs)
+    return GenerationJob(
+        Dialect.COMPLETION,
+        prompts,
+        batched,
+        params,
+        stop_sequences=sampling.stop,
+        stream=sampling.stream,
+        n=sampling.n,
+        best_of=sampling.n,
+        model=sampling.model,
+        logprobs=logprobs is not None,
+        echo=echo,
+        include_usage=sampling.include_usage,
+    )
 
 
 class CompletionResponder:
@@ -68,19 +70,20 @@ class CompletionResponder:
 
     content_type = "text/event-stream"
 
-    def __init__(self, tokenizer: Tokenizer, model: str, request: CompletionRequest):
+    def __init__(self, tokenizer: Tokenizer, model: str, job: GenerationJob):
         self.tokenizer = tokenizer
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
-        self.request = request
+        self.request = job
         self._offsets: dict[int, int] = {}  # characters sent so far, by choice (text_offset)
 
-    def completion(self, completions: list[Completion]) -> dict:
-        """`completions`: the `n` of each prompt, prompt by prompt (prompt tokens counted once
-        per prompt, as OpenAI does)."""
+    def answer(self, prompts: list[list[Completion]]) -> dict:
+        """`prompts`: the `n` completions of each prompt, one choice each (prompt tokens counted
+        once per prompt, as OpenAI does)."""
+        completions = [completion for each in prompts for completion in each]
         choices = [self._choice(index, c) for index, c in enumerate(completions)]
-        prompt_tokens = sum(len(c.prompt_ids) for c in completions[:: self.request.sampling.n])
+        prompt_tokens = sum(len(each[0].prompt_ids) for each in prompts)
         generated = sum(len(c.token_ids) for c in completions)
         return {**self._envelope(), "choices": choices, "usage": _usage(prompt_tokens, generated)}
 
@@ -91,7 +94,7 @@ class CompletionResponder:
             text = self.request.prompts[0] + text
         offset = self._offsets.get(token.index, 0)
         choice: dict[str, Any] = {"text": text, "index": token.index, "logprobs": None}
-        if self.request.logprobs is not None:
+        if self.request.logprobs:
             top = None if token.top_logprobs is None else [token.top_logprobs]
             choice["logprobs"] = self._logprobs([token.id], [token.log_prob], top, offset)
         self._offsets[token.index] = offset + len(text)
@@ -102,7 +105,7 @@ class CompletionResponder:
         """After every choice's last token: the usage chunk (stream_options.include_usage; no
         choices, as OpenAI's), then [DONE]."""
         events = ""
-        if self.request.sampling.include_usage:
+        if self.request.include_usage:
             generated = sum(len(c.token_ids) for c in completions)
             usage = _usage(len(completions[0].prompt_ids), generated)
             events = _event({**self._envelope(), "choices": [], "usage": usage})
@@ -114,7 +117,7 @@ class CompletionResponder:
     def _choice(self, index: int, completion: Completion) -> dict:
         prefix = completion.prompt if self.request.echo else ""
         logprobs = None
-        if self.request.logprobs is not None:
+        if self.request.logprobs:
             token_ids, log_probs = completion.token_ids, completion.log_probs
             tops = completion.top_logprobs
             offset = len(prefix)
@@ -142,7 +145,7 @@ class CompletionResponder:
             offsets.append(offset)
             offset += len(token)
         top_logprobs = None
-        if self.request.logprobs:
+        if self.request.params.top_logprobs:
             top_logprobs = [
                 None if top is None else self._alternatives(top, token, log_prob)
                 for token, log_prob, top in zip(token_ids, log_probs, tops or [])

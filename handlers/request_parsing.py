@@ -1,5 +1,5 @@
-"""Request bodies -> a validated TextRequest. Bad input raises BadRequest naming the field;
-nothing invalid reaches the engine.
+"""DJL/TGI request bodies -> a validated GenerationJob (job.py). Bad input raises BadRequest
+naming the field; nothing invalid reaches the engine.
 
 Unknown parameters are dropped with a warning (DJL's behaviour: clients send vendor-specific
 knobs); wrong types and impossible values of known ones are refused. TGI's spellings are read
@@ -14,15 +14,17 @@ tokens with their log-probs) come in `details`, which they turn on.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from lmserve.rolling_batch.protocol import MAX_TOP_LOGPROBS, GenerationParams
+
+from .job import Dialect, GenerationJob
 
 # The formats a request may name in `parameters.output_formatter` (a model.py's function is
 # chosen by the server's configuration, never by a client).
@@ -40,38 +42,21 @@ class BadRequest(Exception):
         self.status = status
 
 
-@dataclass(frozen=True)
-class TextRequest:
-    inputs: list[str]
-    batched: bool  # `inputs` was a list: answer with a list
-    params: GenerationParams
-    stop_sequences: tuple[str, ...] = ()
-    details: bool = False
-    return_full_text: bool = False
-    stream: bool = False
-    # TGI's `truncate`: keep only the prompt's last `truncate` tokens (applied where the prompt
-    # is tokenized).
-    truncate: int | None = None
-    # `parameters.output_formatter`: this request's answer format, over option.output_formatter.
-    output_formatter: str | None = None
-    n: int = 1  # sequences answered per input
-    best_of: int = 1  # sequences generated per input, the n most likely kept
-    # `adapters` as a list, one LoRA adapter (or None: the base model) per input; a single
-    # name is `params.adapter` for every input.
-    adapters: tuple[str | None, ...] | None = None
-
-    def params_of_input(self, index: int) -> GenerationParams:
-        if self.adapters is None:
-            return self.params
-        return msgspec.structs.replace(self.params, adapter=self.adapters[index])
-
-    @property
-    def num_sequences(self) -> int:
-        return self.best_of
-
-
-def parse_body(body: bytes, content_type: str | None) -> TextRequest:
+def parse_body(body: bytes, content_type: str | None) -> GenerationJob:
     return parse_payload(load_payload(body, content_type))
+
+
+def streamed(job: GenerationJob) -> GenerationJob:
+    """The DJL job as a stream: one input and one sequence (as in LMI, the best of several is
+    known only at the end), without the prompt's log-probs."""
+    if job.batched:
+        raise BadRequest("inputs", "streaming takes one input, not a list")
+    if job.best_of > 1:
+        name = "best_of" if job.best_of > job.n else "n"
+        raise BadRequest(f"parameters.{name}", "several sequences are not streamed")
+    if job.params.prompt_logprobs:
+        raise BadRequest("parameters.decoder_input_details", "not with streaming")
+    return dataclasses.replace(job, stream=True)
 
 
 def load_payload(body: bytes, content_type: str | None) -> dict[str, Any]:
@@ -92,9 +77,9 @@ def load_payload(body: bytes, content_type: str | None) -> dict[str, Any]:
     return payload
 
 
-def parse_payload(payload: dict[str, Any], tgi_compat: bool = False) -> TextRequest:
-    """`tgi_compat` (option.tgi_compat) turns `details` on unless the request says otherwise,
-    as DJL does (`parameters.get("details", tgi_compat)`)."""
+def parse_payload(payload: dict[str, Any], tgi_compat: bool = False) -> GenerationJob:
+    """A DJL/TGI body's job. `tgi_compat` (option.tgi_compat) turns `details` on unless the
+    request says otherwise, as DJL does (`parameters.get("details", tgi_compat)`)."""
     if "inputs" not in payload:
         raise BadRequest("inputs", "missing (a string or a list of strings)")
     inputs = payload["inputs"]
@@ -120,7 +105,7 @@ def parse_payload(payload: dict[str, Any], tgi_compat: bool = False) -> TextRequ
     # on `parameters.stream`: both places are honoured, the top level winning.
     if stream is not None:
         parsed["stream"] = stream
-    return TextRequest(inputs=items, batched=batched, **parsed)
+    return GenerationJob(Dialect.DJL, items, batched, **parsed)
 
 
 def _adapters(value: Any, num_inputs: int, batched: bool) -> str | tuple | None:

@@ -263,6 +263,22 @@ def test_chat_too_long_names_max_tokens(smollm2_dir, tokenizer):
     assert engine.messages == []
 
 
+def test_invocations_reads_the_dialect_from_the_body(smollm2_dir, tokenizer):
+    """As LMI's vLLM-based handler: `messages` is chat, `prompt` OpenAI completions,
+    `inputs` DJL's schema, all on /invocations."""
+    handler, engine = make_handler(smollm2_dir, tokenizer)
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40}
+    assert call(handler, chat).json["object"] == "chat.completion"
+    completion = call(handler, {"prompt": "Capital?", "max_tokens": 40})
+    assert completion.json["object"] == "text_completion"
+    assert completion.json["choices"][0]["text"] == REPLY
+    assert engine.messages[-1].prompt_ids == tokenizer.encode("Capital?")
+    both = call(handler, {"inputs": "Capital?", "prompt": "ignored"})
+    assert both.json == {"generated_text": REPLY}
+    bad = call(handler, {"prompt": 3})
+    assert (bad.status, bad.json["field"]) == (400, "prompt")
+
+
 def test_chat_route_refuses_a_text_payload(smollm2_dir, tokenizer):
     handler, engine = make_handler(smollm2_dir, tokenizer)
     answer = call(handler, {"inputs": "Hi"}, Route.CHAT_COMPLETIONS)
@@ -370,11 +386,21 @@ def one_line_per_token(output):
 
 
 @pytest.fixture
-def formatters_file(tmp_path):
-    path = tmp_path / "model.py"
-    path.write_text(FORMATTERS)
-    yield path
+def model_py(tmp_path):
+    """Writes a model.py (the text given) and forgets the module it was imported as after."""
+
+    def write(text: str):
+        path = tmp_path / "model.py"
+        path.write_text(text)
+        return path
+
+    yield write
     sys.modules.pop("model", None)
+
+
+@pytest.fixture
+def formatters_file(model_py):
+    return model_py(FORMATTERS)
 
 
 def test_model_py_formatters_reshape_request_and_answer(smollm2_dir, tokenizer, formatters_file):
@@ -386,6 +412,18 @@ def test_model_py_formatters_reshape_request_and_answer(smollm2_dir, tokenizer, 
     assert [line["first"] for line in lines] == [True] + [False] * (len(lines) - 1)
     assert lines[-1]["finish"] == "eos_token" and lines[-1]["prompt"] == "Q: Capital of France? A:"
     assert engine.messages[0].prompt_ids == tokenizer.encode("Q: Capital of France? A:")
+
+
+def test_an_output_formatter_refuses_several_sequences_naming_the_field(
+    smollm2_dir, tokenizer, model_py
+):
+    """A model.py's formatter answers one sequence: `n` is refused, not ignored."""
+    handler, engine = make_handler(
+        smollm2_dir, tokenizer, formatters=model_py(OUTPUT_FORMATTER_ONLY)
+    )
+    answer = call(handler, {"inputs": "Hi", "parameters": {"n": 2, "do_sample": True}})
+    assert (answer.status, answer.json["field"]) == (400, "parameters.n")
+    assert engine.messages == []
 
 
 def test_output_formatter_streams_its_strings(smollm2_dir, tokenizer, formatters_file):
@@ -607,16 +645,11 @@ def shout(output):  # called once per new token
 """
 
 
-def test_request_output_formatter_wins_over_a_model_py_formatter(smollm2_dir, tokenizer, tmp_path):
-    model_py = tmp_path / "model.py"
-    model_py.write_text(OUTPUT_FORMATTER_ONLY)
-    try:
-        handler, _ = make_handler(smollm2_dir, tokenizer, formatters=model_py)
-        assert call(handler, {"inputs": "Hi"}).body.decode() == REPLY.upper()
-        named = {"inputs": "Hi", "parameters": {"output_formatter": "json"}}
-        assert call(handler, named).json == {"generated_text": REPLY}
-    finally:
-        sys.modules.pop("model", None)
+def test_request_output_formatter_wins_over_a_model_py_formatter(smollm2_dir, tokenizer, model_py):
+    handler, _ = make_handler(smollm2_dir, tokenizer, formatters=model_py(OUTPUT_FORMATTER_ONLY))
+    assert call(handler, {"inputs": "Hi"}).body.decode() == REPLY.upper()
+    named = {"inputs": "Hi", "parameters": {"output_formatter": "json"}}
+    assert call(handler, named).json == {"generated_text": REPLY}
 
 
 def test_n_choices_per_prompt_with_their_own_seeds(smollm2_dir, tokenizer):
@@ -762,17 +795,12 @@ def with_log_probs(output):
 
 
 def test_an_output_formatter_reads_top_tokens_and_the_prompts_log_probs(
-    smollm2_dir, tokenizer, tmp_path
+    smollm2_dir, tokenizer, model_py
 ):
-    path = tmp_path / "model.py"
-    path.write_text(DETAILS_FORMATTER)
-    try:
-        handler, engine = make_handler(smollm2_dir, tokenizer, formatters=path)
-        parameters = {"max_new_tokens": 3, "top_n_tokens": 2, "decoder_input_details": True}
-        answer = call(handler, {"inputs": "Capital of France?", "parameters": parameters})
-        shaped = json.loads(answer.body)
-    finally:
-        sys.modules.pop("model", None)
+    handler, engine = make_handler(smollm2_dir, tokenizer, formatters=model_py(DETAILS_FORMATTER))
+    parameters = {"max_new_tokens": 3, "top_n_tokens": 2, "decoder_input_details": True}
+    answer = call(handler, {"inputs": "Capital of France?", "parameters": parameters})
+    shaped = json.loads(answer.body)
     assert shaped["asked"] == [2, True]
     ids = engine.reply_ids[:3]
     assert [[t["id"] for t in top] for top in shaped["top"]] == [[i, i + 1] for i in ids]

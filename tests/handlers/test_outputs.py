@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from lmserve.handlers.djl_answers import DjlResponder
 from lmserve.handlers.outputs import Generation, TokenOutput, complete, shape_response, to_json
-from lmserve.handlers.stream_format import StreamFormat
 from lmserve.handlers.tokenizer import Tokenizer
 
 
@@ -75,7 +75,7 @@ def test_a_streams_last_event_has_details_without_tokens(tokenizer, tgi_compat):
     completion = complete(
         tokenizer, "Capital:", generated(token_ids, [-0.1, -0.2], "eos_token"), ()
     )
-    fmt = StreamFormat("jsonlines", tgi_compat, tokenizer, details=True, return_full_text=False)
+    fmt = DjlResponder("jsonlines", tgi_compat, tokenizer, details=True, return_full_text=False)
     last = json.loads(fmt.token(TokenOutput(2, "", -0.2, True), completion))
     assert last["generated_text"] == " Paris"
     assert last["details"] == {"finish_reason": "eos_token", "generated_tokens": 2,
@@ -85,8 +85,8 @@ def test_a_streams_last_event_has_details_without_tokens(tokenizer, tgi_compat):
 def test_stream_kind_alone_picks_sse_or_jsonlines(tokenizer):
     """tgi_compat changes the token keys, not the framing: the handler picks the kind."""
     event = {"token": {"id": 1}}
-    jsonlines = StreamFormat("jsonlines", True, tokenizer, details=False, return_full_text=False)
-    sse = StreamFormat("sse", False, tokenizer, details=False, return_full_text=False)
+    jsonlines = DjlResponder("jsonlines", True, tokenizer, details=False, return_full_text=False)
+    sse = DjlResponder("sse", False, tokenizer, details=False, return_full_text=False)
     assert jsonlines.line(event) == '{"token": {"id": 1}}\n'
     assert jsonlines.content_type == "application/jsonlines"
     assert sse.line(event) == 'data: {"token": {"id": 1}}\n\n'
@@ -126,7 +126,7 @@ def test_details_carry_top_tokens_prefill_and_the_other_sequences(tokenizer, tgi
 
 
 def test_a_streamed_token_carries_its_top_tokens(tokenizer):
-    fmt = StreamFormat("jsonlines", True, tokenizer, details=False, return_full_text=False)
+    fmt = DjlResponder("jsonlines", True, tokenizer, details=False, return_full_text=False)
     event = json.loads(fmt.token(TokenOutput(2, "", -0.2, True, [(2, -0.2), (7, -1.9)]), None))
     assert [t["id"] for t in event["top_tokens"]] == [2, 7]
     assert event["top_tokens"][1]["logprob"] == -1.9

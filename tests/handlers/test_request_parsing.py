@@ -18,7 +18,7 @@ def parse(payload, content_type="application/json"):
 
 def test_defaults_follow_the_contract():
     request = parse({"inputs": "hi"})
-    assert request.inputs == ["hi"] and not request.batched
+    assert request.prompts == ["hi"] and not request.batched
     assert request.params == GenerationParams(max_new_tokens=30, do_sample=False)
     assert request.stop_sequences == () and not request.details and not request.return_full_text
 
@@ -42,7 +42,7 @@ def test_all_parameters_are_read():
             },
         }
     )
-    assert request.batched and request.inputs == ["a", "b"]
+    assert request.batched and request.prompts == ["a", "b"]
     assert request.params == GenerationParams(5, True, 0.5, 7, 0.9, 1.2, 3, True)
     assert request.stop_sequences == ("\n",)
     assert request.details and request.return_full_text
@@ -50,11 +50,11 @@ def test_all_parameters_are_read():
 
 def test_text_plain_body_is_one_input():
     request = parse_body(b"Tell me a story", "text/plain; charset=utf-8")
-    assert request.inputs == ["Tell me a story"]
+    assert request.prompts == ["Tell me a story"]
 
 
 def test_form_encoded_json_from_curl_is_read_as_json():
-    assert parse({"inputs": "x"}, "application/x-www-form-urlencoded").inputs == ["x"]
+    assert parse({"inputs": "x"}, "application/x-www-form-urlencoded").prompts == ["x"]
 
 
 def test_temperature_zero_means_greedy():
@@ -160,9 +160,9 @@ def test_bad_tgi_and_djl_parameters_name_their_field(parameters, field):
 
 def test_adapters_name_one_adapter_for_all_inputs_or_one_each():
     one = parse_payload({"inputs": ["a", "b"], "adapters": "sql"})
-    assert [one.params_of_input(i).adapter for i in range(2)] == ["sql", "sql"]
+    assert [one.params_of_prompt(i).adapter for i in range(2)] == ["sql", "sql"]
     each = parse_payload({"inputs": ["a", "b", "c"], "adapters": ["sql", None, ""]})
-    assert [each.params_of_input(i).adapter for i in range(3)] == ["sql", None, None]
+    assert [each.params_of_prompt(i).adapter for i in range(3)] == ["sql", None, None]
     assert parse_payload({"inputs": "a"}).params.adapter is None
     assert parse_payload({"inputs": "a", "adapters": ""}).params.adapter is None
 
@@ -191,7 +191,7 @@ def test_openai_model_names_an_adapter_only_with_lora_on():
     assert parse_chat(chat, served_model="base").params.adapter == "sql"
     assert parse_chat({**chat, "model": "base"}, served_model="base").params.adapter is None
     completion = {"model": "sql", "prompt": "Hi"}
-    assert parse_completion(completion, served_model="base").sampling.params.adapter == "sql"
+    assert parse_completion(completion, served_model="base").params.adapter == "sql"
 
 
 def test_cache_salt_is_read_on_every_route():
@@ -204,7 +204,7 @@ def test_cache_salt_is_read_on_every_route():
     chat = {"messages": [{"role": "user", "content": "Hi"}], "cache_salt": "tenant-b"}
     assert parse_chat(chat).params.cache_salt == "tenant-b"
     completion = {"prompt": "Hi", "cache_salt": "tenant-c"}
-    assert parse_completion(completion).sampling.params.cache_salt == "tenant-c"
+    assert parse_completion(completion).params.cache_salt == "tenant-c"
     with pytest.raises(BadRequest) as refused:
         parse_chat({**chat, "cache_salt": ""})
     assert refused.value.field == "cache_salt"
@@ -220,8 +220,8 @@ def test_only_openai_requests_that_ask_for_logprobs_get_them_computed():
     assert parse_chat(chat).params.log_probs is False
     assert parse_chat({**chat, "logprobs": True}).params.log_probs is True
     completion = {"prompt": "Hi", "temperature": 0}
-    assert parse_completion(completion).sampling.params.log_probs is False
-    assert parse_completion({**completion, "logprobs": 0}).sampling.params.log_probs is True
+    assert parse_completion(completion).params.log_probs is False
+    assert parse_completion({**completion, "logprobs": 0}).params.log_probs is True
     assert parse({"inputs": "Hi"}).params.log_probs is True
 
 
@@ -236,10 +236,10 @@ def test_openai_routes_read_vllms_sampling_extensions():
     extended = {"ignore_eos": True, "top_k": 5, "repetition_penalty": 1.3}
     for params in (
         parse_chat({**chat, **extended}).params,
-        parse_completion({"prompt": "Hi", **extended}).sampling.params,
+        parse_completion({"prompt": "Hi", **extended}).params,
     ):
         assert (params.ignore_eos, params.top_k, params.repetition_penalty) == (True, 5, 1.3)
-    assert parse_completion({"prompt": "Hi", "top_k": -1}).sampling.params.top_k == 0
+    assert parse_completion({"prompt": "Hi", "top_k": -1}).params.top_k == 0
     with pytest.raises(BadRequest, match="ignore_eos"):
         parse_completion({"prompt": "Hi", "ignore_eos": "yes"})
 

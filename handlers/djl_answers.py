@@ -1,5 +1,12 @@
-"""Streaming response bodies: one event per token, the last one carrying the whole generated
-text (and details), an error after the first byte as a final `{"code", "error"}` event.
+"""DJL's and TGI's answers to `{"inputs", "parameters"}` requests.
+
+One JSON answer (`json`): an object per input (a list for a list of inputs, and always under
+tgi_compat, TGI's shape) with `generated_text` and, on request, `details`; of several
+sequences per input (`n`, `best_of`) the most likely by cumulative log-prob answers, the next
+`n - 1` are its `details.best_of_sequences`.
+
+Streams: one event per token, the last one carrying the whole generated text (and details),
+an error after the first byte as a final `{"code", "error"}` event.
 
 - `jsonlines` (DJL): `application/jsonlines`, one JSON object per line.
 - `sse`: `text/event-stream`, the same objects as `data: {...}` events.
@@ -15,11 +22,14 @@ from __future__ import annotations
 
 import json
 
-from .outputs import Completion, TokenOutput, TokenShape, to_json
+from .outputs import Completion, TokenOutput, TokenShape, shape_response, to_json
 from .tokenizer import Tokenizer
 
 
-class StreamFormat:
+class DjlResponder:
+    """`kind`: json, jsonlines or sse. `batched`: the inputs came as a list; `n`: the
+    sequences answered per input."""
+
     def __init__(
         self,
         kind: str,
@@ -27,6 +37,8 @@ class StreamFormat:
         tokenizer: Tokenizer,
         details: bool,
         return_full_text: bool,
+        batched: bool = False,
+        n: int = 1,
     ):
         self.sse = kind == "sse"
         self.tgi_compat = tgi_compat
@@ -34,6 +46,26 @@ class StreamFormat:
         self._tokenizer = tokenizer
         self._details = details
         self._return_full_text = return_full_text
+        self._batched = batched
+        self._n = n
+
+    def answer(self, prompts: list[list[Completion]]) -> dict | list:
+        """The JSON answer: each input's most likely sequence, the next n - 1 beside it."""
+        outputs = []
+        for completions in prompts:
+            ranked = sorted(completions, key=lambda c: c.cumulative_log_prob, reverse=True)
+            best, others = ranked[0], ranked[1 : self._n]
+            outputs.append(
+                to_json(
+                    best,
+                    self._tokenizer,
+                    self._details,
+                    self._return_full_text,
+                    self.tgi_compat,
+                    others,
+                )
+            )
+        return shape_response(outputs, self._batched, self.tgi_compat)
 
     def token(self, token: TokenOutput, completion: Completion | None) -> str:
         """One token's event; the last one (with `completion`) adds generated_text/details."""
