@@ -4,7 +4,7 @@ One I/O thread owns the ZeroMQ DEALER socket (zmq sockets are not thread-safe): 
 hand it outgoing frames through a queue and wake it through a pipe; it routes engine events
 (a frame may carry a step's events for several requests) to per-request queues keyed by
 request id. It also watches the engine's state file, so a dead engine answers every waiting
-request instead of leaving it hanging.
+request instead of leaving it hanging, and keeps the state it read for the request threads.
 
 Stats (for /metrics and /models) come from the engine between its steps or, for engine=Python,
 between its batches, which take seconds under load. So the thread keeps the newest stats any
@@ -49,13 +49,21 @@ class EngineClient:
         self._refresh_sent_at: float | None = None  # a refresh request awaits its answer
         self._was_ready = False
         self._last_heard = time.monotonic()  # when the engine last sent this worker a frame
+        self._state = read_state(runtime)
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._thread = threading.Thread(target=self._run, name="engine-io", daemon=True)
         self._thread.start()
 
     def state(self) -> dict:
-        return read_state(self.runtime)
+        """The engine's state (loading, ready, failed, with its reason). A ready engine's is
+        the copy the I/O thread read from the state file at most _STATE_CHECK_S ago, so
+        requests do not read the file; any other is read afresh, so that no web worker says
+        "loading" after another has said "ready"."""
+        state = self._state
+        if state["state"] != protocol.EngineState.READY:
+            self._state = state = read_state(self.runtime)
+        return state
 
     def submit(
         self,
@@ -110,8 +118,10 @@ class EngineClient:
 
     def _shared_stats(self) -> tuple[dict, float] | None:
         """The copy another worker left, with its age; None when there is none or it came from
-        an engine before the one serving now (the state's `since` is when it became ready)."""
-        state = self.state()
+        an engine before the one serving now (the state's `since` is when it became ready:
+        read afresh, so that stats from before a restart this thread has not seen yet are
+        never served)."""
+        state = read_state(self.runtime)
         if state["state"] != protocol.EngineState.READY:
             return None
         try:
@@ -152,9 +162,9 @@ class EngineClient:
             now = time.monotonic()
             if now >= next_state_check:
                 next_state_check = now + _STATE_CHECK_S
-                ready = self.state()
-                self._fail_all_if_engine_failed(ready)
-                self._refresh_stats(socket, now, ready["state"] == protocol.EngineState.READY)
+                self._state = state = read_state(self.runtime)
+                self._fail_all_if_engine_failed(state)
+                self._refresh_stats(socket, now, state["state"] == protocol.EngineState.READY)
 
     def _refresh_stats(self, socket: zmq.Socket, now: float, ready: bool) -> None:
         """Asks for stats when this worker's copy is old, unless a request is still unanswered
