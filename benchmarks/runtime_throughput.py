@@ -55,7 +55,7 @@ def batch_runner(model_path, dtype: str, batch: int, max_len: int, model_impl: s
     `batch` sequences of up to `max_len` tokens with disjoint blocks; `model_impl` as
     option.model_impl ("transformers": the generic path)."""
     options = RuntimeOptions(
-        dtype=dtype, max_model_len=max_len, max_num_seqs=batch, model_impl=model_impl
+        dtype=dtype, max_model_len=max_len, max_rolling_batch_size=batch, model_impl=model_impl
     )
     runner, hf_config, _ = build_runner(model_path, options, TensorParallelGroup())
     per_seq = -(-max_len // runner.block_size)

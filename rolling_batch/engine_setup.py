@@ -27,7 +27,7 @@ class RuntimeOptions:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     paged_attention: bool = True
     block_size: int = 16  # with paged_attention=False a block is max_model_len long
-    max_num_seqs: int = 64  # sequences whose KV the cache must be able to hold at once
+    max_rolling_batch_size: int = 32  # sequences in flight, whose KV the cache must hold at once
     cpu_kv_cache_fraction: float = 0.25  # share of available RAM for the KV cache on CPU
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # pins the pool instead of the memory budget
@@ -49,7 +49,7 @@ class RuntimeOptions:
             max_model_len=config.max_model_len,
             paged_attention=config.paged_attention,
             block_size=config.block_size,
-            max_num_seqs=config.max_rolling_batch_size,
+            max_rolling_batch_size=config.max_rolling_batch_size,
             cpu_kv_cache_fraction=config.cpu_kv_cache_fraction,
             gpu_memory_utilization=config.gpu_memory_utilization,
             num_kv_blocks=config.num_kv_blocks,
@@ -106,7 +106,7 @@ def build_runner(
     )
     if lora is not None and device.type == "cpu":
         budget = max(0, budget - lora.cache_bytes)  # adapters load into RAM as they are asked for
-    useful = options.max_num_seqs * -(-max_model_len // block_size)
+    useful = options.max_rolling_batch_size * -(-max_model_len // block_size)
     if options.num_kv_blocks is not None:
         budget = options.num_kv_blocks * shape.bytes_per_block
         useful = options.num_kv_blocks

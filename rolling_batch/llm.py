@@ -52,7 +52,7 @@ class LLM:
         dtype: str = "auto",
         max_model_len: int | None = None,
         block_size: int = 16,
-        max_num_seqs: int = 64,
+        max_rolling_batch_size: int = 32,
         cpu_kv_cache_fraction: float = 0.25,
         cache_dir: str | os.PathLike | None = None,
         trust_remote_code: bool = False,
@@ -85,7 +85,7 @@ class LLM:
             max_model_len=max_model_len,
             paged_attention=paged_attention,
             block_size=block_size,
-            max_num_seqs=max_num_seqs,
+            max_rolling_batch_size=max_rolling_batch_size,
             cpu_kv_cache_fraction=cpu_kv_cache_fraction,
             trust_remote_code=trust_remote_code,
             quantize=quantize,
@@ -147,7 +147,7 @@ class _InProcessEngine:
         self.runner, _, self.max_model_len = build_runner(
             model_path, options, TensorParallelGroup()
         )
-        self.max_running = options.max_num_seqs
+        self.max_rolling_batch_size = options.max_rolling_batch_size
 
     def generate(self, prompts, max_new_tokens, eos_token_ids, ignore_eos, adapters, drafts):
         runner = self.runner
@@ -156,7 +156,7 @@ class _InProcessEngine:
             runner.num_blocks,
             runner.block_size,
             self.max_model_len,
-            self.max_running,
+            self.max_rolling_batch_size,
             prompts,
             max_new_tokens,
             set(eos_token_ids),

@@ -169,7 +169,7 @@ def main() -> None:
     options = RuntimeOptions(**settings["options"])
     runner, _, max_model_len = build_runner(settings["model_path"], options, group, comm.Get_size())
     if comm.Get_rank() == 0:
-        limits = (max_model_len, options.max_num_seqs)
+        limits = (max_model_len, options.max_rolling_batch_size)
         serve_driver(runner, StepBroadcaster(runner, comm), settings["address"], limits)
     else:
         follow(runner, comm)

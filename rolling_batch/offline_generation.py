@@ -23,7 +23,7 @@ def generate_greedy(
     num_blocks: int,
     block_size: int,
     max_model_len: int,
-    max_running: int,
+    max_rolling_batch_size: int,
     prompts: list[list[int]],
     max_new_tokens: int,
     eos_token_ids: set[int],
@@ -59,7 +59,7 @@ def generate_greedy(
             )
     scheduler = Scheduler(
         BlockManager(num_blocks, block_size),
-        max_running,
+        max_rolling_batch_size,
         prefill_token_budget,
         max_model_len,
         None if lora is None else len(lora.slots),

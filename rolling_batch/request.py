@@ -4,13 +4,19 @@ blocks. Torch-free."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from .prefix_cache import CacheRoot, RequestChain
 from .protocol import GenerationParams
 
-WAITING = "waiting"
-RUNNING = "running"
-FINISHED = "finished"
+
+class Status(StrEnum):
+    """Where a request is in the scheduler: waiting for a place (new or preempted), in the
+    running batch, or done (ended, aborted or failed)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
 
 
 @dataclass(eq=False)
@@ -33,7 +39,7 @@ class Request:
     # and its chain so far (block_manager.py).
     cache_root: CacheRoot | None = None
     cache_chain: RequestChain | None = None
-    status: str = WAITING
+    status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
     arrival_step: int = 0  # the scheduler's steps before it was added (Scheduler.add)

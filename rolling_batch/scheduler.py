@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from .block_manager import BlockManager
 from .prefix_cache import CacheRoot
 from .protocol import FinishReason
-from .request import FINISHED, RUNNING, WAITING, Request
+from .request import Request, Status
 from .speculation import NgramDrafter
 from .step import Sample, SequenceChunk
 
@@ -68,7 +68,7 @@ class Scheduler:
     def __init__(
         self,
         block_manager: BlockManager,
-        max_running: int,
+        max_rolling_batch_size: int,
         max_prefill_tokens: int,
         max_model_len: int,
         max_loras: int | None = None,
@@ -87,7 +87,7 @@ class Scheduler:
         # The model picks greedy tokens without logits (ModelRunner.argmax_head): requests
         # that need no more get `argmax_only` chunks.
         self.argmax_head = argmax_head
-        self.max_running = max_running
+        self.max_rolling_batch_size = max_rolling_batch_size
         self.max_loras = max_loras  # distinct LoRA adapters in the running batch, at most
         self.max_prefill_tokens = max_prefill_tokens
         self.max_model_len = max_model_len
@@ -102,7 +102,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
-        request.status = WAITING
+        request.status = Status.WAITING
         request.arrival_step = self._num_schedules
         self.waiting.append(request)
 
@@ -127,7 +127,7 @@ class Scheduler:
         return None
 
     def finish(self, request: Request, reason: str) -> None:
-        request.status = FINISHED
+        request.status = Status.FINISHED
         request.finish_reason = reason
         self.blocks.free(request)
         if self.drafter is not None:
@@ -150,7 +150,7 @@ class Scheduler:
             budget -= num_new if request.is_prefilling else 0
             self._add_chunk(out, request, num_new)
         passed_over: list[Request] = []  # their adapter finds no free slot this step
-        while self.waiting and len(self.running) < self.max_running and budget > 0:
+        while self.waiting and len(self.running) < self.max_rolling_batch_size and budget > 0:
             request = self.waiting[0]
             if not self._adapter_fits(request):
                 passed_over.append(self.waiting.popleft())
@@ -166,7 +166,7 @@ class Scheduler:
             self.waiting.popleft()
             self.num_prefix_query_tokens += request.num_tokens
             self.num_prefix_hit_tokens += request.num_computed_tokens
-            request.status = RUNNING
+            request.status = Status.RUNNING
             self.running.append(request)
             self.blocks.grow(request, request.num_computed_tokens + num_new)
             budget -= num_new
@@ -259,7 +259,7 @@ class Scheduler:
             index = out.requests.index(request)
             del out.requests[index], out.chunks[index]
         self._release(request)
-        request.status = WAITING
+        request.status = Status.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -290,7 +290,7 @@ class Scheduler:
         for every request that got tokens, in chunk order."""
         produced = []
         for request, chunk in zip(out.requests, out.chunks):
-            if request.status == FINISHED:  # failed while sampling
+            if request.status == Status.FINISHED:  # failed while sampling
                 continue
             samples = sampled.get(request, []) if chunk.needs_logits else []
             samples = [samples] if isinstance(samples, Sample) else samples
@@ -354,9 +354,9 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.blocks.check_invariants(self.running + list(self.waiting))
-        assert len(self.running) <= self.max_running
-        assert all(r.status == RUNNING for r in self.running)
-        assert all(r.status == WAITING and not r.block_ids for r in self.waiting)
+        assert len(self.running) <= self.max_rolling_batch_size
+        assert all(r.status == Status.RUNNING for r in self.running)
+        assert all(r.status == Status.WAITING and not r.block_ids for r in self.waiting)
 
 
 def _group_by_adapter(out: SchedulerOutput) -> None:

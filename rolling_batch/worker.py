@@ -52,7 +52,7 @@ def main() -> None:
         return
     scheduler = Scheduler(
         BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching),
-        max_running=config.max_rolling_batch_size,
+        max_rolling_batch_size=config.max_rolling_batch_size,
         max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
         max_model_len=max_model_len,
         max_loras=config.max_loras if config.enable_lora else None,

@@ -169,7 +169,9 @@ def save_tiny(folder, config_name, model_name, extra, **sizes):
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_variant_matches_hf(variant, block_size, tmp_path):
     hf_model = save_tiny(tmp_path, *VARIANTS[variant])
-    options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=block_size, max_num_seqs=2)
+    options = RuntimeOptions(
+        dtype="fp32", max_model_len=64, block_size=block_size, max_rolling_batch_size=2
+    )
     runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
     assert_steps_match_hf(runner, hf_model, variant)
 
@@ -250,7 +252,9 @@ WINDOWED = {
 def test_sliding_window_past_the_window_matches_hf(variant, block_size, tmp_path):
     """Prompt chunks and decodes whose contexts outgrow the window: HF's windowed logits."""
     hf_model = save_tiny(tmp_path, *WINDOWED[variant])
-    options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=block_size, max_num_seqs=2)
+    options = RuntimeOptions(
+        dtype="fp32", max_model_len=64, block_size=block_size, max_rolling_batch_size=2
+    )
     runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
     windows = [layer.self_attn.sliding_window for layer in runner.model.model.layers]
     expected_windows = {"qwen2": [None, 4], "gemma2": [4, None], "gemma3": [4, None]}
@@ -273,7 +277,7 @@ def test_sliding_window_past_the_window_matches_hf(variant, block_size, tmp_path
 
 def test_a_window_as_long_as_the_context_is_plain_attention(tmp_path):
     save_tiny(tmp_path, "MistralConfig", "MistralForCausalLM", dict(sliding_window=64))
-    options = RuntimeOptions(dtype="fp32", max_model_len=64, max_num_seqs=1)
+    options = RuntimeOptions(dtype="fp32", max_model_len=64, max_rolling_batch_size=1)
     runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
     assert all(layer.self_attn.sliding_window is None for layer in runner.model.model.layers)
 
@@ -307,7 +311,7 @@ def test_int8_weights_give_hf_logits_on_the_dequantized_weights(variant, tmp_pat
                 for expert in param.data:
                     expert.copy_(dequantize_int8(*quantize_int8(expert)))
     options = RuntimeOptions(
-        dtype="fp32", max_model_len=64, block_size=16, max_num_seqs=2, quantize="int8"
+        dtype="fp32", max_model_len=64, block_size=16, max_rolling_batch_size=2, quantize="int8"
     )
     runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
     prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11]
@@ -324,7 +328,7 @@ def test_a_hidden_size_int8_cannot_group_keeps_the_embedding_dense(tmp_path):
     the model serves HF's logits (it once failed reshaping the embedding)."""
     hf_model = save_tiny(tmp_path, *VARIANTS["qwen2"])
     options = RuntimeOptions(
-        dtype="fp32", max_model_len=64, block_size=16, max_num_seqs=2, quantize="int8"
+        dtype="fp32", max_model_len=64, block_size=16, max_rolling_batch_size=2, quantize="int8"
     )
     runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
     prompt = [5, 17, 250, 3, 99]
@@ -379,7 +383,9 @@ def test_falcons_original_refined_web_checkpoints_are_served_natively(variant, t
         refined_web.update(model_type="RefinedWebModel", multi_query=True)
     (tmp_path / "config.json").write_text(json.dumps(refined_web))
     assert serving_path(tmp_path).native == "falcon:FalconForCausalLM"
-    options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=16, max_num_seqs=2)
+    options = RuntimeOptions(
+        dtype="fp32", max_model_len=64, block_size=16, max_rolling_batch_size=2
+    )
     runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
     prompt = [5, 17, 250, 3, 99, 42, 7, 8, 9, 10, 11]
     (logits,) = runner.execute([SequenceChunk(tuple(prompt), 0, (0, 1), True)])
@@ -420,7 +426,7 @@ def test_pythia_checkpoints_with_saved_attention_masks_load(tmp_path):
         weights[f"{prefix}.bias"] = torch.tril(torch.ones(64, 64, dtype=torch.bool))[None, None]
         weights[f"{prefix}.masked_bias"] = torch.tensor(-1e9)
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    options = RuntimeOptions(dtype="fp32", max_model_len=64, max_num_seqs=2)
+    options = RuntimeOptions(dtype="fp32", max_model_len=64, max_rolling_batch_size=2)
     runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
     assert_steps_match_hf(runner, hf_model, "pythia")
 
@@ -446,7 +452,7 @@ def test_phi3_longrope_takes_the_factors_of_the_served_context(max_model_len, pr
     the original context served with the long factors is not HF's short answer: the served
     length decides."""
     hf_model = save_tiny(tmp_path, "Phi3Config", "Phi3ForCausalLM", LONGROPE)
-    options = RuntimeOptions(dtype="fp32", max_model_len=max_model_len, max_num_seqs=2)
+    options = RuntimeOptions(dtype="fp32", max_model_len=max_model_len, max_rolling_batch_size=2)
     runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
     prompt = [(7 * i) % 290 + 3 for i in range(prompt_len)]
     assert_steps_match_hf(runner, hf_model, "longrope", prompt=prompt, split=prompt_len)

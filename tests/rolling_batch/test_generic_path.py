@@ -82,7 +82,7 @@ def test_family_gives_hf_logits_through_the_paged_cache(family, paged, tmp_path)
         max_model_len=64,
         block_size=4,
         paged_attention=paged,
-        max_num_seqs=2,
+        max_rolling_batch_size=2,
         model_impl="transformers",  # Gemma 2 and 3 have native modules too
     )
     runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
@@ -182,7 +182,7 @@ def test_attention_sinks_stop_the_load_naming_them():
 
 
 def test_the_families_tested_here_are_the_ones_the_readme_lists():
-    """Those without a native module (the README's generic rows; GPT-NeoX, Gemma 2 and 3
+    """Those without a native module (docs/models.md's generic rows; GPT-NeoX, Gemma 2 and 3
     are tested here too, through option.model_impl=transformers: the generic path's partial
     rotation, soft-capping and per-layer rotary bases)."""
     names = {model_name for _, model_name, _ in FAMILIES.values()}
@@ -199,7 +199,9 @@ def test_model_impl_transformers_runs_a_native_family_on_the_generic_path(tmp_pa
     with torch.inference_mode():
         expected = hf_model(torch.tensor([prompt])).logits[0, -1]
     for impl in ("auto", "transformers"):
-        options = RuntimeOptions(dtype="fp32", max_model_len=64, max_num_seqs=1, model_impl=impl)
+        options = RuntimeOptions(
+            dtype="fp32", max_model_len=64, max_rolling_batch_size=1, model_impl=impl
+        )
         runner, _, _ = build_runner(tmp_path / "llama", options, TensorParallelGroup())
         assert isinstance(runner.model, GenericCausalLM) == (impl == "transformers")
         (logits,) = runner.execute([SequenceChunk(tuple(prompt), 0, (0,), True)])

@@ -110,7 +110,7 @@ def test_argmax_only_chunks_give_the_argmax_of_the_logits_beside_other_chunks(
     if head == "built":
         bf16_panels()
     model_dir = tiny_model_dir if name == "tiny" else smollm2_dir
-    options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=8, max_num_seqs=4)
+    options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=8, max_rolling_batch_size=4)
     runner, _, _ = build_runner(model_dir, options, TensorParallelGroup())
     if head == "none":
         runner.model.greedy_head = None
@@ -160,7 +160,9 @@ def test_a_step_of_greedy_decodes_picks_its_tokens_in_the_stack(threads, smollm2
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=8, max_num_seqs=32)
+        options = RuntimeOptions(
+            dtype="fp32", max_model_len=64, block_size=8, max_rolling_batch_size=32
+        )
         runner, _, _ = build_runner(smollm2_dir, options, TensorParallelGroup())
         stack = GreedyCountingStack(runner.model.model.native_stack)
         runner.model.model.native_stack = stack
@@ -185,7 +187,7 @@ def test_a_step_of_greedy_decodes_picks_its_tokens_in_the_stack(threads, smollm2
 
 def test_rows_left_by_the_head_get_the_argmax_of_their_fp32_logits(smollm2_dir):
     bf16_panels()
-    options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=8, max_num_seqs=2)
+    options = RuntimeOptions(dtype="fp32", max_model_len=64, block_size=8, max_rolling_batch_size=2)
     model = build_runner(smollm2_dir, options, TensorParallelGroup())[0].model
     hidden = torch.randn(3, model.config.hidden_size)
     hidden[1, 0] = float("nan")

@@ -92,9 +92,12 @@ def _counting(execute, calls: list):
 def test_token_id_prompts_and_a_cache_smaller_than_the_batch(tp1_results):
     results, prompt_ids = tp1_results
     # 16 blocks of 16 tokens for five sequences that grow to 5-6 blocks each: they run one at
-    # a time (max_num_seqs=1), and the tokens must not change.
+    # a time (max_rolling_batch_size=1), and the tokens must not change.
     with LLM(
-        max_model_len=MAX_MODEL_LEN, dtype="fp32", max_num_seqs=1, cache_dir=TEST_CACHE_DIR
+        max_model_len=MAX_MODEL_LEN,
+        dtype="fp32",
+        max_rolling_batch_size=1,
+        cache_dir=TEST_CACHE_DIR,
     ) as llm:
         assert llm._engine.runner.num_blocks == MAX_MODEL_LEN // 16
         again = llm.generate(prompt_ids[:5], max_new_tokens=MAX_NEW_TOKENS)

@@ -280,7 +280,7 @@ def test_memory_for_the_adapters_is_taken_before_the_kv_cache_is_sized(lora_mode
     blocks = {}
     for enable_lora in (False, True):
         options = RuntimeOptions(
-            dtype="fp32", max_model_len=4096, max_num_seqs=1024, enable_lora=enable_lora
+            dtype="fp32", max_model_len=4096, max_rolling_batch_size=1024, enable_lora=enable_lora
         )
         runner, _, _ = build_runner(lora_model_dir, options, TensorParallelGroup())
         blocks[enable_lora] = runner.num_blocks

@@ -85,7 +85,7 @@ def layout_runner(model_dir, block_size, paged):
         max_model_len=MAX_MODEL_LEN,
         paged_attention=paged,
         block_size=block_size or MAX_MODEL_LEN,
-        max_num_seqs=len(PROMPTS),
+        max_rolling_batch_size=len(PROMPTS),
     )
     runner, _, _ = build_runner(model_dir, options, TensorParallelGroup())
     assert runner.block_size == (block_size if paged else MAX_MODEL_LEN)

@@ -35,7 +35,9 @@ class CountingStack:
 
 
 def runner_for(model_dir, **options):
-    defaults = dict(dtype="fp32", max_model_len=MAX_MODEL_LEN, block_size=4, max_num_seqs=4)
+    defaults = dict(
+        dtype="fp32", max_model_len=MAX_MODEL_LEN, block_size=4, max_rolling_batch_size=4
+    )
     options = RuntimeOptions(**{**defaults, **options})
     runner, _, _ = build_runner(model_dir, options, TensorParallelGroup())
     return runner
@@ -159,7 +161,7 @@ def test_steps_split_by_sequences_give_the_bits_of_whole_steps(tiny_model_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        split, whole = (runner_for(tiny_model_dir, max_num_seqs=40) for _ in range(2))
+        split, whole = (runner_for(tiny_model_dir, max_rolling_batch_size=40) for _ in range(2))
         counting = SplitCountingStack(split.model.model.native_stack)
         split.model.model.native_stack = counting
         whole.model.model.native_stack.set_split_sequences(False)

@@ -89,8 +89,8 @@ def shared_prefix_requests(count: int, seed: int) -> list[Request]:
     return requests
 
 
-def scheduler(num_blocks: int, caching: bool, max_running: int = 4, budget: int = 16):
-    return Scheduler(BlockManager(num_blocks, BLOCK, caching), max_running, budget, 96)
+def scheduler(num_blocks: int, caching: bool, max_rolling_batch_size: int = 4, budget: int = 16):
+    return Scheduler(BlockManager(num_blocks, BLOCK, caching), max_rolling_batch_size, budget, 96)
 
 
 @pytest.mark.parametrize("seed", range(6))

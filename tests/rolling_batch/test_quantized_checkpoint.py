@@ -173,7 +173,7 @@ def test_unpacking_gives_back_the_codes_scales_and_zeros(checkpoint):
 def test_logits_match_hf_on_the_dequantized_checkpoint(checkpoint, base_dir):
     name, folder, parts = checkpoint
     group_size = CHECKPOINTS[name][0]["group_size"]
-    options = RuntimeOptions(dtype="fp32", max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+    options = RuntimeOptions(dtype="fp32", max_model_len=MAX_MODEL_LEN, max_rolling_batch_size=4)
     runner, _, _ = build_runner(folder, options, TensorParallelGroup())
     steps = run_steps(runner, runner.block_size)
     same_arithmetic = hf_reference(base_dir, parts, group_size, kernel_roundings=True)
@@ -189,7 +189,7 @@ def test_the_gpu_kernel_serves_the_checkpoints_own_weights(name, base_dir, tmp_p
     scales and zeros and multiplies in IEEE fp32: HF's logits on (q - z) * s, to 1e-5."""
     monkeypatch.setattr(quantized, "on_cpu", lambda codes: False)
     parts = save_quantized(base_dir, tmp_path, name)
-    options = RuntimeOptions(dtype="fp32", max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+    options = RuntimeOptions(dtype="fp32", max_model_len=MAX_MODEL_LEN, max_rolling_batch_size=4)
     runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
     steps = run_steps(runner, runner.block_size)
     group_size = CHECKPOINTS[name][0]["group_size"]
@@ -226,7 +226,7 @@ def test_linears_the_checkpoint_leaves_dense_stay_dense(base_dir, tmp_path):
     dense = ("model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj")
     parts = save_quantized(base_dir, tmp_path, "gptq-g32", dense=dense)
     assert not set(dense) & set(parts)
-    options = RuntimeOptions(dtype="fp32", max_model_len=MAX_MODEL_LEN, max_num_seqs=4)
+    options = RuntimeOptions(dtype="fp32", max_model_len=MAX_MODEL_LEN, max_rolling_batch_size=4)
     runner, _, _ = build_runner(tmp_path, options, TensorParallelGroup())
     steps = run_steps(runner, runner.block_size)
     reference = hf_reference(base_dir, parts, 32, kernel_roundings=True)

@@ -79,7 +79,11 @@ DEQUANTIZED = {
 
 def quantized_runner(model_dir, method: str):
     options = RuntimeOptions(
-        dtype="fp32", max_model_len=MAX_MODEL_LEN, block_size=16, max_num_seqs=4, quantize=method
+        dtype="fp32",
+        max_model_len=MAX_MODEL_LEN,
+        block_size=16,
+        max_rolling_batch_size=4,
+        quantize=method,
     )
     return build_runner(model_dir, options, TensorParallelGroup())[0]
 

@@ -70,7 +70,7 @@ def fresh(requests):
 def test_budget_and_batch_size_hold_every_step_and_outputs_are_right():
     requests = make_requests(30)
     scheduler = Scheduler(
-        BlockManager(200, 16), max_running=8, max_prefill_tokens=64, max_model_len=512
+        BlockManager(200, 16), max_rolling_batch_size=8, max_prefill_tokens=64, max_model_len=512
     )
     seen_batch_sizes = set()
 
@@ -95,7 +95,7 @@ def test_long_prompt_is_chunked_while_decodes_keep_running():
         "long", list(range(3, 203)), GenerationParams(max_new_tokens=5, ignore_eos=True), 9.0
     )
     scheduler = Scheduler(
-        BlockManager(100, 16), max_running=8, max_prefill_tokens=48, max_model_len=512
+        BlockManager(100, 16), max_rolling_batch_size=8, max_prefill_tokens=48, max_model_len=512
     )
     mixed_steps = []
 
@@ -115,9 +115,11 @@ def test_long_prompt_is_chunked_while_decodes_keep_running():
 def test_tiny_block_pool_preempts_and_changes_no_output():
     requests = make_requests(12, seed=2, max_new=(20, 60))
     roomy = Scheduler(
-        BlockManager(500, 4), max_running=6, max_prefill_tokens=128, max_model_len=160
+        BlockManager(500, 4), max_rolling_batch_size=6, max_prefill_tokens=128, max_model_len=160
     )
-    tight = Scheduler(BlockManager(40, 4), max_running=6, max_prefill_tokens=128, max_model_len=160)
+    tight = Scheduler(
+        BlockManager(40, 4), max_rolling_batch_size=6, max_prefill_tokens=128, max_model_len=160
+    )
     assert run(tight, fresh(requests)) == run(roomy, fresh(requests)) == expected_outputs(requests)
     assert tight.num_preemptions > 0 and roomy.num_preemptions == 0
     assert tight.blocks.num_free == 40
@@ -125,9 +127,10 @@ def test_tiny_block_pool_preempts_and_changes_no_output():
 
 def test_paged_off_holds_one_max_length_block_per_request():
     requests = make_requests(10, seed=3)
-    # Three blocks of max_model_len: at most three requests in flight whatever max_running says.
+    # Three blocks of max_model_len: at most three requests in flight whatever
+    # max_rolling_batch_size says.
     scheduler = Scheduler(
-        BlockManager(3, 128), max_running=8, max_prefill_tokens=256, max_model_len=128
+        BlockManager(3, 128), max_rolling_batch_size=8, max_prefill_tokens=256, max_model_len=128
     )
 
     def check(out):
@@ -139,7 +142,7 @@ def test_paged_off_holds_one_max_length_block_per_request():
 
 def test_abort_frees_blocks_at_once_wherever_the_request_is():
     scheduler = Scheduler(
-        BlockManager(20, 4), max_running=1, max_prefill_tokens=64, max_model_len=64
+        BlockManager(20, 4), max_rolling_batch_size=1, max_prefill_tokens=64, max_model_len=64
     )
     running, queued = make_requests(2, seed=4, max_new=(30, 31))
     scheduler.add(running)
@@ -156,7 +159,7 @@ def test_abort_frees_blocks_at_once_wherever_the_request_is():
 
 def test_eos_ends_a_request_unless_ignored():
     scheduler = Scheduler(
-        BlockManager(20, 4), max_running=4, max_prefill_tokens=64, max_model_len=64
+        BlockManager(20, 4), max_rolling_batch_size=4, max_prefill_tokens=64, max_model_len=64
     )
     stops = Request("stops", [5, 6], GenerationParams(max_new_tokens=10), 0.0)
     ignores = Request("ignores", [5, 6], GenerationParams(max_new_tokens=3, ignore_eos=True), 0.0)
@@ -213,7 +216,11 @@ def test_at_most_max_loras_adapters_run_and_the_others_wait_their_turn():
         for i, adapter in enumerate(adapters)
     ]
     scheduler = Scheduler(
-        BlockManager(64, 16), max_running=8, max_prefill_tokens=512, max_model_len=256, max_loras=2
+        BlockManager(64, 16),
+        max_rolling_batch_size=8,
+        max_prefill_tokens=512,
+        max_model_len=256,
+        max_loras=2,
     )
     seen_together = []
 
@@ -242,7 +249,7 @@ def _prompt(request_id: str, length: int, arrival: float) -> Request:
 def _prefill_scheduler(max_prefill_tokens: int, shortest_first: bool) -> Scheduler:
     return Scheduler(
         BlockManager(200, 16),
-        max_running=8,
+        max_rolling_batch_size=8,
         max_prefill_tokens=max_prefill_tokens,
         max_model_len=512,
         shortest_first=shortest_first,

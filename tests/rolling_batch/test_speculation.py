@@ -105,10 +105,16 @@ def random_requests(count: int, seed: int) -> list[Request]:
     ]
 
 
-def scheduler(num_blocks=200, drafts=4, caching=False, max_running=6, budget=24, max_len=96):
+def scheduler(
+    num_blocks=200, drafts=4, caching=False, max_rolling_batch_size=6, budget=24, max_len=96
+):
     drafter = NgramDrafter(drafts) if drafts else None
     return Scheduler(
-        BlockManager(num_blocks, BLOCK, caching), max_running, budget, max_len, drafter=drafter
+        BlockManager(num_blocks, BLOCK, caching),
+        max_rolling_batch_size,
+        budget,
+        max_len,
+        drafter=drafter,
     )
 
 
