@@ -21,7 +21,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class NativeFamily:
-    """A family with a module of its own under rolling_batch/models/ (the README's table of
+    """A family with a module of its own under rolling_batch/models/ (docs/models.md's table of
     supported models is written from these: `python -m lmserve.rolling_batch.architectures`)."""
 
     family: str  # as users call it
@@ -385,7 +385,7 @@ def _skip_value(file, kind: int) -> None:
 
 
 def supported_models_table() -> str:
-    """The README's table of supported models, in Markdown, from the tables above."""
+    """docs/models.md's table of supported models, in Markdown, from the tables above."""
     rows = [
         "| Family | Architectures | Path | TP | option.quantize | LoRA | GGUF | Notes |",
         "|---|---|---|---|---|---|---|---|",

@@ -7,7 +7,7 @@ has AVX512-BF16 (`bf16_panels()`). Other dtypes (fp16, bf16 elsewhere), and fp32
 kernels are not built, take oneDNN's blocked layout: `nn.functional.linear`
 re-lays out (bf16) or takes MKL's generic path (fp32, slow on AMD) on every call, and a weight
 reordered once is 1.5-3x faster for a decode step's rows. Either packed copy replaces the
-weight (benchmarks/README.md, performance log).
+weight (benchmarks/log/).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Each linear then adds x_seg @ A_slot^T @ B_slot^T to every segment's outputs
 matmul as Punica and S-LoRA compute it on GPUs. Base-model tokens cost nothing, and a token costs
 its own adapter's rank only. An earlier form multiplied every token by all the slots' A and B and
 masked the other slots' part away: its work grew with the adapters in a step
-(benchmarks/README.md, performance log).
+(benchmarks/log/).
 
 Sharding follows the linear: a column-parallel linear has the whole A and its rows of B, a
 row-parallel one its columns of A and the whole B, so its partial LoRA output joins the partial

@@ -1,6 +1,6 @@
 """A DJL-style handler in the shape of the djl-demo examples, unchanged from what DJL runs:
 a JSON echo that reports its properties, a batch, a stream, and a failure, chosen by payload.
-The README's "Custom handlers" section shows this file."""
+docs/custom-handlers.md shows this file."""
 
 import logging
 
