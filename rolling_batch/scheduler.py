@@ -32,23 +32,40 @@ from .step import Sample, SequenceChunk
 
 
 @dataclass
+class Scheduled:
+    """A request scheduled this step, with the chunk of its tokens the step computes."""
+
+    request: Request
+    chunk: SequenceChunk
+
+
+@dataclass
 class SchedulerOutput:
-    requests: list[Request]  # scheduled this step, in chunk order
-    chunks: list[SequenceChunk]
+    scheduled: list[Scheduled] = field(default_factory=list)  # in chunk order
     preempted: list[Request] = field(default_factory=list)
     num_joined: int = 0  # requests that entered the running batch this step
 
     @property
+    def requests(self) -> list[Request]:
+        """The scheduled requests, in chunk order."""
+        return [s.request for s in self.scheduled]
+
+    @property
+    def chunks(self) -> list[SequenceChunk]:
+        """What the model computes this step, one chunk a scheduled request."""
+        return [s.chunk for s in self.scheduled]
+
+    @property
     def sampling(self) -> list[Request]:
         """The requests whose logits this step produces (their chunk ends at their newest token)."""
-        return [r for r, c in zip(self.requests, self.chunks) if c.needs_logits]
+        return [s.request for s in self.scheduled if s.chunk.needs_logits]
 
     def logit_rows(self):
         """Whose are the rows of the step's logits: (the requests sampled as usual, their
         rows, [(speculating request, its draft)], their rows: the draft's length + 1 each)."""
         plain, plain_rows, drafts, draft_rows = [], [], [], []
         row = 0
-        for request, chunk in zip(self.requests, self.chunks):
+        for request, chunk in ((s.request, s.chunk) for s in self.scheduled):
             if chunk.num_drafts:
                 drafts.append((request, chunk.token_ids[-chunk.num_drafts :]))
                 draft_rows += range(row, row + chunk.num_logits)
@@ -61,7 +78,7 @@ class SchedulerOutput:
     @property
     def argmax_requests(self) -> list[Request]:
         """The requests whose greedy token the step picks without logits, in chunk order."""
-        return [r for r, c in zip(self.requests, self.chunks) if c.num_argmax]
+        return [s.request for s in self.scheduled if s.chunk.num_argmax]
 
 
 class Scheduler:
@@ -138,7 +155,7 @@ class Scheduler:
             self._order_arrivals()
         self._num_schedules += 1
         budget = self.max_prefill_tokens
-        out = SchedulerOutput([], [])
+        out = SchedulerOutput()
         for request in list(self.running):
             if request not in self.running:  # preempted below by an older request
                 continue
@@ -183,8 +200,9 @@ class Scheduler:
         """Drafted tokens for the step's speculating decodes, from what the prefill budget
         left (prompts keep their share, as without speculation) and only into KV blocks held
         or free now (a draft never preempts anyone)."""
-        step_rows = sum(len(chunk.token_ids) for chunk in out.chunks)
-        for index, (request, chunk) in enumerate(zip(out.requests, out.chunks)):
+        step_rows = sum(len(s.chunk.token_ids) for s in out.scheduled)
+        for scheduled in out.scheduled:
+            request, chunk = scheduled.request, scheduled.chunk
             if budget <= 0:
                 return
             if request.is_prefilling or not self.drafter.speculates(request):
@@ -200,7 +218,7 @@ class Scheduler:
                 continue
             self.blocks.grow(request, request.num_tokens + len(draft))
             budget -= len(draft)
-            out.chunks[index] = replace(
+            scheduled.chunk = replace(
                 chunk,
                 token_ids=chunk.token_ids + draft,
                 block_ids=tuple(request.block_ids),
@@ -255,9 +273,8 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        if request in out.requests:  # already scheduled this step: unschedule
-            index = out.requests.index(request)
-            del out.requests[index], out.chunks[index]
+        # Already scheduled this step: unscheduled.
+        out.scheduled = [s for s in out.scheduled if s.request is not request]
         self._release(request)
         request.status = Status.WAITING
         request.num_preemptions += 1
@@ -269,18 +286,16 @@ class Scheduler:
         start = request.num_computed_tokens
         tokens = request.all_token_ids[start : start + num_new]
         needs_logits = start + num_new == request.num_tokens
-        out.requests.append(request)
-        out.chunks.append(
-            SequenceChunk(
-                tuple(tokens),
-                start,
-                tuple(request.block_ids),
-                needs_logits,
-                **_prompt_scoring(request, start, num_new),
-                adapter=request.params.adapter,
-                argmax_only=needs_logits and self.argmax_head and _argmax_only(request.params),
-            )
+        chunk = SequenceChunk(
+            tuple(tokens),
+            start,
+            tuple(request.block_ids),
+            needs_logits,
+            **_prompt_scoring(request, start, num_new),
+            adapter=request.params.adapter,
+            argmax_only=needs_logits and self.argmax_head and _argmax_only(request.params),
         )
+        out.scheduled.append(Scheduled(request, chunk))
 
     def update(self, out: SchedulerOutput, sampled: dict, eos_ids: set[int]):
         """Records this step: sampled tokens (`{request: Sample}`, or a list of Samples for a
@@ -289,7 +304,7 @@ class Scheduler:
         finished requests leave the batch and free their blocks. Returns (request, [Sample])
         for every request that got tokens, in chunk order."""
         produced = []
-        for request, chunk in zip(out.requests, out.chunks):
+        for request, chunk in ((s.request, s.chunk) for s in out.scheduled):
             if request.status == Status.FINISHED:  # failed while sampling
                 continue
             samples = sampled.get(request, []) if chunk.needs_logits else []
@@ -347,7 +362,7 @@ class Scheduler:
     def record_prompt_scores(self, out: SchedulerOutput, scores: dict) -> None:
         """Adds this step's prompt log-probs (`{chunk index: PromptScores}`) to their requests."""
         for index, score in scores.items():
-            request = out.requests[index]
+            request = out.scheduled[index].request
             request.prompt_log_probs += score.log_probs
             if score.top_logprobs is not None:
                 request.prompt_top_logprobs += score.top_logprobs
@@ -362,9 +377,7 @@ class Scheduler:
 def _group_by_adapter(out: SchedulerOutput) -> None:
     """Puts the step's sequences of one LoRA adapter side by side (the base model's first, the
     order kept otherwise): the model then runs one segment an adapter (layers/lora.py)."""
-    order = sorted(range(len(out.chunks)), key=lambda i: out.chunks[i].adapter or "")
-    out.requests = [out.requests[i] for i in order]
-    out.chunks = [out.chunks[i] for i in order]
+    out.scheduled.sort(key=lambda s: s.chunk.adapter or "")
 
 
 def _argmax_only(params) -> bool:
