@@ -17,7 +17,7 @@ from pathlib import Path
 # torch's CPU allocator asks for transparent huge pages for its buffers of 2 MiB and more
 # (the packed weights, the KV cache) where the kernel leaves them to madvise, as it does by
 # default: fewer TLB misses while a decode step streams the weights (1.06x a step at batch 1,
-# benchmarks/README.md).
+# benchmarks/log/2026-11-24-lora-speculative-cpp-panels.md, "Huge pages").
 _ALLOCATOR_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 36),

@@ -7,9 +7,10 @@ the kernel torchao's int4 weight-only CPU path calls).
 That kernel is fast with bf16 activations only (fp32 and fp16 take a slow fallback: 1.7 ms
 and 2.6 ms against 60 us at one row for a 3072x576 weight here), so the input is rounded to
 bf16, the scales and zeros are bf16, and the output is widened back to the model's dtype.
-Measured against the packed fp32 oneDNN weight it replaces (benchmarks/README.md): ~5x faster
-at 1 row, equal at about 32 rows, 10-15% slower at 64-128 rows and 2.4x slower at 2,048. A
-decode step reads every weight once, so a small step gains from reading about a sixth of
+Measured against the packed fp32 oneDNN weight it replaces
+(benchmarks/log/2026-11-23-prefix-quantize-lora-tp.md): ~5x faster at 1 row, equal at about
+32 rows, 10-15% slower at 64-128 rows and 2.4x slower at 2,048. A decode step reads every
+weight once, so a small step gains from reading about a sixth of
 fp32's bytes. A big step is compute bound: where the CPU has native bf16 it widens the whole
 weight to bf16 (a C++ kernel, `int4_dequantize`, 0.4 ms for 3072 x 576; the weights are then
 rounded to bf16 too, a relative 2^-9) and multiplies with oneDNN's bf16 matmul

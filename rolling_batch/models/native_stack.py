@@ -3,9 +3,10 @@ where every op of its layers is native (fp32 linears in the C++ panels, bf16 one
 the CPU has AVX512-BF16, others through oneDNN): the same ops as `LlamaModel.forward`'s
 layers, in the same order, so the same bits, without Python between them. A step's weight
 stream evicts the interpreter's working set every layer, so its ~10 calls a layer cost 4.5 ms
-of a 25 ms batch-1 decode step on a 2-core Xeon (1.5 ms with warm caches; benchmarks/README.md,
-performance log). A step of enough decodes runs as runs of sequences, one a thread, each through
-every layer alone (`sequence_parts`): no wait between the threads from op to op.
+of a 25 ms batch-1 decode step on a 2-core Xeon (1.5 ms with warm caches; the
+performance log in benchmarks/log/). A step of enough decodes runs as runs of sequences,
+one a thread, each through every layer alone (`sequence_parts`): no wait between the threads
+from op to op.
 """
 
 from __future__ import annotations
