@@ -40,7 +40,9 @@ def shared_prompt_requests(args: argparse.Namespace, seed: int) -> list[Request]
 def run_round(args: argparse.Namespace, caching: bool, seed: int) -> tuple[float, int]:
     """(seconds in schedule + update, steps) for one burst, arriving `per_step` a step."""
     blocks = BlockManager(args.num_blocks, args.block_size, enable_prefix_caching=caching)
-    scheduler = Scheduler(blocks, args.max_running, args.prefill_budget, max_model_len=8192)
+    scheduler = Scheduler(
+        blocks, args.max_rolling_batch_size, args.prefill_budget, max_model_len=8192
+    )
     pending = shared_prompt_requests(args, seed)
     rng = random.Random(seed)
     spent, steps = 0.0, 0
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=8192)
-    parser.add_argument("--max-running", type=int, default=32)
+    parser.add_argument("--max-rolling-batch-size", type=int, default=32)
     parser.add_argument("--prefill-budget", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)

@@ -60,9 +60,9 @@ class EngineClient:
         the copy the I/O thread read from the state file at most _STATE_CHECK_S ago, so
         requests do not read the file; any other is read afresh, so that no web worker says
         "loading" after another has said "ready"."""
-        state = self._state
+        state = self._state  # only the I/O thread stores it: no stale read overwrites it
         if state["state"] != protocol.EngineState.READY:
-            self._state = state = read_state(self.runtime)
+            state = read_state(self.runtime)
         return state
 
     def submit(

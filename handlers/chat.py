@@ -33,10 +33,6 @@ _ROLES = ("system", "user", "assistant", "tool", "developer")
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 
 
-def is_chat(payload: Any) -> bool:
-    return isinstance(payload, dict) and "messages" in payload
-
-
 def parse_chat(payload: dict[str, Any], served_model: str | None = None) -> GenerationJob:
     """A chat body's job; `served_model`: read_openai_sampling's."""
     messages = payload.get("messages")

@@ -5,7 +5,7 @@ openai_completions.py for OpenAI's): the prompts (text, or chat messages the mod
 renders), the generation parameters of each prompt's sequences, stop sequences, how many
 sequences to generate and answer per prompt, whether to stream, and what the answer shows.
 The Predictor runs a job (tokenize, check the length, submit, follow the events, detokenize,
-apply stops) the same way for all of them; a Responder (responders.py) gives the answer its
+apply stops) the same way for all of them; a Responder (responder.py) gives the answer its
 dialect's shape.
 """
 

@@ -9,7 +9,7 @@ from lmserve.benchmarks.scheduler_cost import main, run_round
 
 ARGS = argparse.Namespace(
     requests=6, per_step=2, system=40, own=5, new_tokens=3, block_size=4, num_blocks=64,
-    max_running=4, prefill_budget=32,
+    max_rolling_batch_size=4, prefill_budget=32,
 )  # fmt: skip
 
 
