@@ -159,7 +159,7 @@ def engine_command(runtime: Runtime, runtime_path: Path) -> list[str]:
         return rank_command(
             config.tensor_parallel_degree, "lmserve.rolling_batch.worker", str(runtime_path)
         )
-    return [sys.executable, "-m", "lmserve.handlers.worker", str(runtime_path)]
+    return [sys.executable, "-m", "lmserve.handlers.python_engine.worker", str(runtime_path)]
 
 
 def _stop_group(child: subprocess.Popen) -> None:

@@ -159,7 +159,7 @@ class Server:
 
     def engine_pid(self) -> int:
         for pid in descendants(self.process.pid):
-            if "lmserve.handlers.worker" in command_line(pid):
+            if "lmserve.handlers.python_engine.worker" in command_line(pid):
                 return pid
         raise AssertionError("no engine process found")
 

@@ -3,7 +3,7 @@ max_batch_delay, different parameters never share a batch, the oldest group goes
 
 from __future__ import annotations
 
-from lmserve.handlers.dynamic_batcher import DynamicBatcher, PendingRequest
+from lmserve.handlers.python_engine.dynamic_batcher import DynamicBatcher, PendingRequest
 from lmserve.rolling_batch.protocol import GenerationParams
 
 GREEDY = GenerationParams()

@@ -17,12 +17,12 @@ import pytest
 import torch
 import zmq
 
-from lmserve.handlers.custom_service import UserHandlerService
-from lmserve.handlers.hf_engine import Generation
-from lmserve.handlers.hf_work import HFGenerateWork
+from lmserve.handlers.python_engine.custom_service import UserHandlerService
+from lmserve.handlers.python_engine.hf_engine import Generation
+from lmserve.handlers.python_engine.hf_work import HFGenerateWork
+from lmserve.handlers.python_engine.user_handler_work import UserHandlerWork
+from lmserve.handlers.python_engine.worker import PythonEngineLoop
 from lmserve.handlers.user_code import find_entry_point, load
-from lmserve.handlers.user_handler_work import UserHandlerWork
-from lmserve.handlers.worker import PythonEngineLoop
 from lmserve.properties.config import load_config
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.ipc import drain_router

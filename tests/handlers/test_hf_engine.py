@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from lmserve.handlers.dynamic_batcher import PendingRequest
-from lmserve.handlers.hf_engine import HFEngine
-from lmserve.handlers.hf_work import HFGenerateWork
+from lmserve.handlers.python_engine.dynamic_batcher import PendingRequest
+from lmserve.handlers.python_engine.hf_engine import HFEngine
+from lmserve.handlers.python_engine.hf_work import HFGenerateWork
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.model_loader import resolve_dtype
 from lmserve.rolling_batch.protocol import GenerationParams
@@ -188,7 +188,7 @@ def test_final_events_carry_the_log_probs_asked_for(engine):
 
 
 def test_prompt_log_probs_taken_in_slices_equal_those_taken_whole(engine, monkeypatch):
-    from lmserve.handlers import hf_engine
+    from lmserve.handlers.python_engine import hf_engine
 
     params = [GenerationParams(max_new_tokens=1, prompt_logprobs=True, top_logprobs=3)] * 2
     whole = engine.generate(PROMPTS[:2], params)

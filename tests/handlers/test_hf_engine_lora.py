@@ -13,10 +13,10 @@ import shutil
 import pytest
 import torch
 
-from lmserve.handlers.hf_engine import HFEngine
-from lmserve.handlers.hf_lora import adaptable_linears
-from lmserve.handlers.hf_work import HFGenerateWork
-from lmserve.handlers.worker import PythonEngineLoop, load_hf_work
+from lmserve.handlers.python_engine.hf_engine import HFEngine
+from lmserve.handlers.python_engine.hf_lora import adaptable_linears
+from lmserve.handlers.python_engine.hf_work import HFGenerateWork
+from lmserve.handlers.python_engine.worker import PythonEngineLoop, load_hf_work
 from lmserve.properties.config import load_config
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.lora_adapters import linear_shapes
@@ -167,7 +167,7 @@ def test_adapter_names_peft_refuses_are_served(lora_model_dir, prompt_ids, expec
 
 def test_the_worker_loads_the_adapters_the_config_asks_for(lora_model_dir, caplog):
     env = {"OPTION_ENABLE_LORA": "true"}
-    caplog.set_level(logging.INFO, "lmserve.handlers.hf_lora")
+    caplog.set_level(logging.INFO, "lmserve.handlers.python_engine.hf_lora")
     work, _ = load_hf_work(runtime_for(lora_model_dir, env))
     assert sorted(work.engine.adapters) == sorted(TINY_ADAPTERS)
     assert "3 adapter(s)" in caplog.text and "attn, everything, mlp-rs" in caplog.text

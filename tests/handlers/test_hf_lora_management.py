@@ -14,10 +14,10 @@ import time
 import pytest
 from peft import PeftModel
 
-from lmserve.handlers.hf_engine import HFEngine
-from lmserve.handlers.hf_lora import adaptable_linears
-from lmserve.handlers.hf_work import HFGenerateWork
-from lmserve.handlers.worker import PythonEngineLoop
+from lmserve.handlers.python_engine.hf_engine import HFEngine
+from lmserve.handlers.python_engine.hf_lora import adaptable_linears
+from lmserve.handlers.python_engine.hf_work import HFGenerateWork
+from lmserve.handlers.python_engine.worker import PythonEngineLoop
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.lora_adapters import linear_shapes
 from lmserve.rolling_batch.model_loader import load_hf_config

@@ -12,8 +12,12 @@ import textwrap
 import pytest
 
 from lmserve.handlers import djl_compat
-from lmserve.handlers.custom_service import HandlerError, RawRequest, UserHandlerService
 from lmserve.handlers.djl_io import Input, Output
+from lmserve.handlers.python_engine.custom_service import (
+    HandlerError,
+    RawRequest,
+    UserHandlerService,
+)
 from lmserve.handlers.user_code import (
     EntryPoint,
     UserCodeError,

@@ -292,7 +292,7 @@ def test_a_checkpoint_method_on_a_dense_checkpoint_is_refused(base_dir):
 
 
 def test_engine_python_refuses_a_quantized_checkpoint_by_name(base_dir, tmp_path):
-    from lmserve.handlers.hf_engine import HFEngine
+    from lmserve.handlers.python_engine.hf_engine import HFEngine
 
     save_quantized(base_dir, tmp_path, "awq-g64")
     with pytest.raises(ValueError, match=r"quantized with awq.*engine=MPI"):

@@ -1,9 +1,10 @@
-"""engine=Python: the engine process. `python -m lmserve.handlers.worker RUNTIME_JSON`.
+"""engine=Python: the engine process.
+`python -m lmserve.handlers.python_engine.worker RUNTIME_JSON`.
 
 Loads the model (or the user's handler), binds the engine socket, then loops: take requests from
 the front ends into the dynamic batcher, run whichever batch is due, answer every request in it.
-What a batch is depends on the work: token ids through HF `generate` (handlers/hf_work.py), or
-raw requests through a model.py's `handle` (handlers/user_handler_work.py).
+What a batch is depends on the work: token ids through HF `generate` (hf_work.py), or raw
+requests through a model.py's `handle` (user_handler_work.py).
 
 The LoRA adapter management API is answered as the rolling engine answers it (the HF work's
 `adapters`, rolling_batch/adapter_registry.py), between batches: an unregistered adapter is
@@ -196,8 +197,8 @@ def load_hf_work(runtime: Runtime) -> tuple[BatchWork, dict]:
 
 def load_user_handler_work(runtime: Runtime, entry_point: str) -> tuple[BatchWork, dict]:
     """The model.py's module, and DJL's load-time `handle` call with the model's options."""
+    from ..user_code import EntryPoint, load
     from .custom_service import UserHandlerService
-    from .user_code import EntryPoint, load
     from .user_handler_work import UserHandlerWork
 
     model_dir = Path(runtime.model_path)

@@ -7,9 +7,9 @@ Log-probs of generated tokens (and their top alternatives) come from HF's `score
 distribution after repetition penalty, temperature, top-k and top-p. A prompt's log-probs come
 from the model's raw distribution, in one extra forward pass run only when some row asks.
 
-With option.enable_lora the model carries PEFT LoRA adapters (handlers/hf_lora.py); a batch's
-requests share one adapter, active for its `generate` and its prompt log-probs alike. Adapters
-are added and removed between batches (the management API; handlers/hf_work.py).
+With option.enable_lora the model carries PEFT LoRA adapters (hf_lora.py beside this); a
+batch's requests share one adapter, active for its `generate` and its prompt log-probs alike.
+Adapters are added and removed between batches (the management API; hf_work.py).
 """
 
 from __future__ import annotations
