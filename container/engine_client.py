@@ -4,7 +4,7 @@ One I/O thread owns the ZeroMQ DEALER socket (zmq sockets are not thread-safe): 
 hand it outgoing frames through a queue and wake it through a pipe; it routes engine events
 (a frame may carry a step's events for several requests) to per-request queues keyed by
 request id. It also watches the engine's state file, so a dead engine answers every waiting
-request instead of leaving it hanging, and keeps the state it read for the request threads.
+request instead of leaving it hanging.
 
 Stats (for /metrics and /models) come from the engine between its steps or, for engine=Python,
 between its batches, which take seconds under load. So the thread keeps the newest stats any
@@ -49,20 +49,27 @@ class EngineClient:
         self._refresh_sent_at: float | None = None  # a refresh request awaits its answer
         self._was_ready = False
         self._last_heard = time.monotonic()  # when the engine last sent this worker a frame
-        self._state = read_state(runtime)
+        self._state: tuple[tuple | None, dict] | None = None  # (file version, its state)
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._thread = threading.Thread(target=self._run, name="engine-io", daemon=True)
         self._thread.start()
 
     def state(self) -> dict:
-        """The engine's state (loading, ready, failed, with its reason). A ready engine's is
-        the copy the I/O thread read from the state file at most _STATE_CHECK_S ago, so
-        requests do not read the file; any other is read afresh, so that no web worker says
-        "loading" after another has said "ready"."""
-        state = self._state  # only the I/O thread stores it: no stale read overwrites it
-        if state["state"] != protocol.EngineState.READY:
-            state = read_state(self.runtime)
+        """The engine's state (loading, ready, failed, with its reason). The file is parsed
+        again only when it was replaced since the copy kept here (the engine and the
+        supervisor write it by rename): a request costs one stat, never a stale answer, so no
+        web worker says "ready" after another has said "failed", or "loading" after "ready"."""
+        try:
+            stat = os.stat(self.runtime.state_path)
+            version = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        except FileNotFoundError:
+            version = None
+        kept = self._state
+        if kept is not None and kept[0] == version:
+            return kept[1]
+        state = read_state(self.runtime)
+        self._state = (version, state)
         return state
 
     def submit(
@@ -162,7 +169,7 @@ class EngineClient:
             now = time.monotonic()
             if now >= next_state_check:
                 next_state_check = now + _STATE_CHECK_S
-                self._state = state = read_state(self.runtime)
+                state = self.state()
                 self._fail_all_if_engine_failed(state)
                 self._refresh_stats(socket, now, state["state"] == protocol.EngineState.READY)
 
