@@ -27,6 +27,7 @@ from lmserve.rolling_batch.protocol import MAX_TOP_LOGPROBS, GenerationParams
 from .job import Dialect, GenerationJob
 from .outputs import Completion, TokenOutput
 from .request_parsing import MAX_SEQUENCES, BadRequest, _ParameterReader
+from .structured_output import openai_structured_output
 from .tokenizer import Tokenizer
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -109,6 +110,8 @@ def read_openai_sampling(
         ignore_eos=reader.boolean("ignore_eos", False),
         # vLLM's: prompts share the prefix cache only with requests of the same salt.
         cache_salt=reader.text("cache_salt"),
+        # Structured outputs: response_format, vLLM's structured_outputs (structured_output.py).
+        grammar=openai_structured_output(reader.raw),
     )
     n = reader.integer("n", 1, minimum=1, maximum=MAX_SEQUENCES)
     for penalty in ("frequency_penalty", "presence_penalty"):

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .request_parsing import BadRequest
+from .job import BadRequest
 
 # PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES: the tokens apply_chat_template passes.
 _SPECIAL_TOKEN_NAMES = (

@@ -28,6 +28,16 @@ class Dialect(StrEnum):
     COMPLETION = "completion"  # OpenAI's legacy completions: {"prompt", ...}
 
 
+class BadRequest(Exception):
+    """A body the front end refuses: the status (400 unless said) and a message naming the
+    field."""
+
+    def __init__(self, field: str, message: str, status: int = 400):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.status = status
+
+
 @dataclass(frozen=True)
 class PromptFields:
     """How errors about a dialect's prompt name its fields, and how its prompt is tokenized."""

@@ -20,9 +20,8 @@ from .chat_template import ChatTemplate
 from .detokenizer import IncrementalDetokenizer
 from .engine_events import PredictionError, next_event
 from .interface import EngineConnection
-from .job import GenerationJob
+from .job import BadRequest, GenerationJob
 from .outputs import Generation, complete
-from .request_parsing import BadRequest
 from .responder import Responder
 from .streamed_sequences import StreamedSequence, stream_events
 from .tokenizer import Tokenizer

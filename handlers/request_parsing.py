@@ -24,7 +24,8 @@ import msgspec
 
 from lmserve.rolling_batch.protocol import MAX_TOP_LOGPROBS, GenerationParams
 
-from .job import Dialect, GenerationJob
+from .job import BadRequest, Dialect, GenerationJob
+from .structured_output import tgi_grammar
 
 # The formats a request may name in `parameters.output_formatter` (a model.py's function is
 # chosen by the server's configuration, never by a client).
@@ -33,13 +34,6 @@ OUTPUT_FORMATS = ("json", "jsonlines", "sse")
 MAX_SEQUENCES = 16
 
 log = logging.getLogger(__name__)
-
-
-class BadRequest(Exception):
-    def __init__(self, field: str, message: str, status: int = 400):
-        super().__init__(f"{field}: {message}" if field else message)
-        self.field = field
-        self.status = status
 
 
 def parse_body(body: bytes, content_type: str | None) -> GenerationJob:
@@ -143,6 +137,7 @@ def _parse_parameters(raw: dict[str, Any], tgi_compat: bool) -> dict[str, Any]:
         top_logprobs=reader.integer("top_n_tokens", 0, minimum=0, maximum=MAX_TOP_LOGPROBS),
         prompt_logprobs=reader.boolean("decoder_input_details", False),
         cache_salt=reader.text("cache_salt"),
+        grammar=tgi_grammar(reader._get("grammar")),
     )
     n, best_of = _sequences(reader, do_sample)
     stop_sequences = reader.stop_sequences() + reader.stop_sequences("stop")  # TGI's name

@@ -4,7 +4,7 @@ continuation depends on, survives."""
 
 from __future__ import annotations
 
-from .request_parsing import BadRequest
+from .job import BadRequest
 
 
 def keep_last_tokens(prompt_ids: list[int], truncate: int, max_model_len: int) -> list[int]:

@@ -13,7 +13,9 @@ A request that cannot be sampled fails alone. A failed model step fails the requ
 the loop goes on, except with several ranks: then the ranks may be out of step, so the error
 propagates and the job ends (the supervisor answers everyone and restarts or exits). A step that
 ran out of memory fails only the request with its largest chunk, with 507 (out_of_memory.py);
-the others run again next step.
+the others run again next step. A request with a grammar (structured output) joins the
+scheduler once its grammar is built in the background (grammar.py); one that does not build is
+answered 400.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import zmq
 
 from . import protocol
 from .adapter_registry import AdapterRegistry, lora_off_answer
 from .engine_stats import EngineStats, PhaseTimer, StepTrace
+from .grammar import GrammarCompiler
 from .ipc import drain_router
 from .model_runner import StepLogits
 from .out_of_memory import failure_status, is_out_of_memory, largest_chunk
@@ -38,6 +42,7 @@ from .step import Sample
 log = logging.getLogger("lmserve.engine")
 
 _IDLE_POLL_MS = 100
+_GRAMMAR_POLL_MS = 1  # while only grammars are being built
 _PROFILE_LOG_S = 30.0  # while busy, a log line of where the steps' time went
 # The log-prob of a token picked without logits (argmax_only): asked for by no one.
 _NO_LOG_PROB = float("nan")
@@ -56,6 +61,7 @@ class RollingEngine:
         slot_timeout_s: float | None = None,
         adapters: AdapterRegistry | None = None,
         step_trace: StepTrace | None = None,
+        grammars: GrammarCompiler | None = None,
     ):
         self.execute = execute
         self.scheduler = scheduler
@@ -68,6 +74,8 @@ class RollingEngine:
         self.slot_timeout_s = slot_timeout_s
         self.adapters = adapters  # the LoRA adapters served; None: LoRA is off
         self.step_trace = step_trace  # option.step_trace; None: no trace
+        self.grammars = grammars  # builds structured outputs' grammars; None: refused
+        self._building: dict[Request, Future] = {}  # requests waiting for their grammar
         self.stats = EngineStats()
         self._unstreamed: set[Request] = set()  # answered with one final event
         self._prefix_seen = (0, 0)  # prefix-cache (query, hit) tokens at the last log line
@@ -82,16 +90,32 @@ class RollingEngine:
         while True:
             busy = self.scheduler.has_work()
             timer.restart()
-            if poller.poll(0 if busy else _IDLE_POLL_MS):
+            wait = 0 if busy else _GRAMMAR_POLL_MS if self._building else _IDLE_POLL_MS
+            if poller.poll(wait):
                 if not busy:
                     timer.restart()  # waiting for work is not step time
                 drain_router(self.socket, self._handle)
+            self._admit_built()
             timer.mark("intake")
             self._expire_waiting(time.monotonic())
             if self.scheduler.has_work():
                 self.step(timer)
             if self.adapters is not None and self.adapters.retiring:
                 self.adapters.retire_unused(self._adapters_in_use())
+
+    def _admit_built(self) -> None:
+        """Requests whose grammar is built join the scheduler; a grammar that failed to build
+        fails its request."""
+        for request, future in list(self._building.items()):
+            if not future.done():
+                continue
+            del self._building[request]
+            try:
+                request.grammar = future.result()
+            except Exception as error:
+                self._fail([request], 400, f"the grammar does not build: {error}")
+                continue
+            self.scheduler.add(request)
 
     def _expire_waiting(self, now: float) -> None:
         """Answers the requests that waited longer than option.predict_timeout for a place in
@@ -294,7 +318,7 @@ class RollingEngine:
         if isinstance(message, protocol.GenerateRequest):
             self._admit(identity, message)
         elif isinstance(message, protocol.AbortRequest):
-            request = self.scheduler.abort(message.id)
+            request = self.scheduler.abort(message.id) or self._stop_building(message.id)
             if request is not None:
                 self.stats.finished["abort"] += 1
                 self._forget(request)
@@ -311,6 +335,13 @@ class RollingEngine:
             # A user's handle() runs with engine=Python; answer a front end that thinks otherwise.
             reason = "the rolling-batch engine serves the LLM handler, not a model.py handle()"
             self._send(identity, protocol.ErrorEvent(message.id, 500, reason))
+
+    def _stop_building(self, request_id: str) -> Request | None:
+        for request in self._building:
+            if request.request_id == request_id:
+                del self._building[request]
+                return request
+        return None
 
     def _adapters_in_use(self) -> set[str]:
         queued = [*self.scheduler.running, *self.scheduler.waiting]
@@ -329,7 +360,11 @@ class RollingEngine:
         if refusal is not None:
             self._send(identity, refusal)
             return
-        if len(self.scheduler.waiting) >= self.max_waiting:
+        if message.params.grammar is not None and self.grammars is None:
+            reason = "this engine does not serve structured outputs"
+            self._send(identity, protocol.ErrorEvent(message.id, 400, reason))
+            return
+        if len(self.scheduler.waiting) + len(self._building) >= self.max_waiting:
             self._send(identity, protocol.queue_full_event(message.id, self.max_waiting))
             return
         request = Request(
@@ -339,7 +374,10 @@ class RollingEngine:
             self._unstreamed.add(request)
         if message.params.adapter is not None:
             self.stats.adapter_requests[message.params.adapter] += 1
-        self.scheduler.add(request)
+        if message.params.grammar is not None:
+            self._building[request] = self.grammars.state_for(message.params.grammar)
+        else:
+            self.scheduler.add(request)
 
     def snapshot(self) -> dict:
         blocks = self.scheduler.blocks

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .grammar import GrammarError
+
 if TYPE_CHECKING:  # engine=Python imports this module for is_out_of_memory alone
     from .request import Request
     from .step import SequenceChunk
@@ -29,7 +31,10 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def failure_status(error: BaseException) -> int:
-    """The HTTP status of a request the model failed with `error`."""
+    """The HTTP status of a request the model failed with `error`: 400 for a grammar that
+    does not build against the model's vocabulary (the request's fault)."""
+    if isinstance(error, GrammarError):
+        return 400
     return 507 if is_out_of_memory(error) else 424
 
 

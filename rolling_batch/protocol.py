@@ -72,6 +72,9 @@ class GenerationParams(msgspec.Struct, frozen=True):
     # vLLM's `cache_salt`: the prefix cache shares blocks only between requests with the same
     # salt (None: the unsalted ones), for tenants who must not share cached prompts.
     cache_salt: str | None = None
+    # Structured output: an llguidance grammar (handlers/structured_output.py writes it) that
+    # the generated tokens follow, enforced at each step by masking the logits; None: free text.
+    grammar: str | None = None
 
     def batch_key(self) -> tuple:
         """Requests that may run in one HF `generate` call: everything but the length, which

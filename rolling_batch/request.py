@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from .prefix_cache import CacheRoot, RequestChain
 from .protocol import GenerationParams
+
+if TYPE_CHECKING:
+    from .grammar import GrammarState
 
 
 class Status(StrEnum):
@@ -39,6 +43,9 @@ class Request:
     # and its chain so far (block_manager.py).
     cache_root: CacheRoot | None = None
     cache_chain: RequestChain | None = None
+    # Structured output (params.grammar): where the output is in its grammar; fed each token
+    # as it is appended.
+    grammar: GrammarState | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0

@@ -18,6 +18,7 @@ import torch
 
 from lmserve.kernels import cpu_native
 
+from .grammar import GrammarState
 from .request import Request
 from .speculation import accepted_prefix
 from .step import Sample
@@ -115,6 +116,8 @@ class Sampler:
         if not drafts:
             return {}
         requests = [request for request, draft in drafts for _ in range(len(draft) + 1)]
+        if any(request.grammar is not None for request, _ in drafts):
+            logits = mask_disallowed(logits, _draft_masks(drafts))
         samples = _greedy(logits, requests)
         verified: dict[Request, list[Sample]] = {}
         row = 0
@@ -135,6 +138,8 @@ class Sampler:
         """A Sample or an exception for each row."""
         states = [self._state(request) for request in requests]
         scores = _penalize_rows(logits, requests, states)
+        if any(request.grammar is not None for request in requests):
+            scores = mask_disallowed(scores, grammar_masks([r.grammar for r in requests]))
         results: list = [None] * len(requests)
         greedy = [i for i, r in enumerate(requests) if not r.params.do_sample]
         drawn = [i for i, r in enumerate(requests) if r.params.do_sample]
@@ -248,6 +253,56 @@ def _penalize_rows(logits: torch.Tensor, requests: list[Request], states) -> tor
     values = scores.view(-1)[flat]
     scores.view(-1)[flat] = torch.where(values < 0, values * penalty, values / penalty)
     return scores
+
+
+def grammar_masks(grammars: list[GrammarState | None]) -> dict[int, torch.Tensor]:
+    """{row: its allowed next tokens as a bitmask} for the rows with a grammar."""
+    masks = {}
+    for row, grammar in enumerate(grammars):
+        if grammar is not None:
+            masks[row] = mask = torch.empty(grammar.num_mask_words, dtype=torch.int32)
+            grammar.fill_mask(mask.data_ptr())
+    return masks
+
+
+def _draft_masks(drafts: list[tuple[Request, tuple[int, ...]]]) -> dict[int, torch.Tensor]:
+    """The bitmasks of a speculating request's rows with a grammar: after its newest token,
+    then after each drafted one (the drafts hold only tokens the grammar allows)."""
+    masks, row = {}, 0
+    for request, draft in drafts:
+        grammar = request.grammar
+        if grammar is not None:
+            for position in range(len(draft) + 1):
+                masks[row + position] = mask = torch.empty(
+                    grammar.num_mask_words, dtype=torch.int32
+                )
+                grammar.fill_mask(mask.data_ptr())
+                if position < len(draft):
+                    grammar.advance(draft[position : position + 1])
+            grammar.rollback(len(draft))
+        row += len(draft) + 1
+    return masks
+
+
+_BIT_VALUES = torch.arange(32, dtype=torch.int32)
+
+
+def mask_disallowed(scores: torch.Tensor, masks: dict[int, torch.Tensor]) -> torch.Tensor:
+    """`scores` with the tokens each row's grammar forbids at -inf (a new tensor): bit i of
+    word w of a row's mask allows token 32 * w + i; ids past the grammar's vocabulary (the
+    model's padding rows) are never allowed."""
+    if not masks:
+        return scores
+    rows = sorted(masks)
+    words = torch.stack([masks[row] for row in rows])
+    allowed = ((words[:, :, None] >> _BIT_VALUES) & 1).view(len(rows), -1).bool()
+    vocab = scores.shape[-1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    index = torch.tensor(rows, device=scores.device)
+    constrained = scores.index_select(0, index)
+    constrained.masked_fill_(~allowed[:, :vocab].to(scores.device), float("-inf"))
+    return scores.index_copy(0, index, constrained)
 
 
 def _filter_rows(rows: torch.Tensor, temperatures, top_ks, top_ps):

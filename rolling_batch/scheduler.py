@@ -214,6 +214,8 @@ class Scheduler:
                 self._draft_room(request),
             )
             draft = self.drafter.propose(request, limit, step_rows)
+            if request.grammar is not None:  # only what the grammar allows is worth checking
+                draft = draft[: request.grammar.valid_prefix(draft)]
             if not draft:
                 continue
             self.blocks.grow(request, request.num_tokens + len(draft))
@@ -337,6 +339,8 @@ class Scheduler:
     def _append(request: Request, sample: Sample) -> None:
         request.output_ids.append(sample.token)
         request.output_log_probs.append(sample.log_prob)
+        if request.grammar is not None:
+            request.grammar.accept(sample.token)
         if sample.top_logprobs is not None:
             request.output_top_logprobs.append(sample.top_logprobs)
 
@@ -345,6 +349,8 @@ class Scheduler:
     ) -> FinishReason | None:
         if token in eos_ids and not request.params.ignore_eos:
             return FinishReason.EOS_TOKEN
+        if request.grammar is not None and request.grammar.is_finished:
+            return FinishReason.EOS_TOKEN  # the grammar allows nothing more, EOS or not
         if len(request.output_ids) >= request.params.max_new_tokens:
             return FinishReason.LENGTH
         if request.num_tokens >= self.max_model_len:
@@ -381,10 +387,11 @@ def _group_by_adapter(out: SchedulerOutput) -> None:
 
 
 def _argmax_only(params) -> bool:
-    """Whether the greedy token alone serves a request: no sampling, no penalty on the logits,
-    no log-probs to report (the sampler would read the logits for any of them)."""
+    """Whether the greedy token alone serves a request: no sampling, no penalty or grammar on
+    the logits, no log-probs to report (the sampler would read the logits for any of them)."""
     return (
         not params.do_sample
+        and params.grammar is None
         and params.repetition_penalty == 1.0
         and params.top_logprobs == 0
         and not params.log_probs

@@ -16,6 +16,7 @@ from .engine_loop import RollingEngine
 from .engine_setup import RuntimeOptions, build_runner
 from .engine_stats import StepTrace
 from .eos_tokens import eos_token_ids
+from .grammar import GrammarCompiler
 from .mpi_worker import StepBroadcaster, follow, make_group, ranks_on_this_host
 from .runtime import Runtime, write_state
 from .sampler import Sampler
@@ -104,6 +105,7 @@ def main() -> None:
         slot_timeout_s=config.predict_timeout,
         adapters=adapters,
         step_trace=step_trace,
+        grammars=GrammarCompiler(runtime.model_path, eos, config.trust_remote_code),
     )
     engine.run_forever()
 

@@ -23,15 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
 
 from lmserve.rolling_batch.eos_tokens import eos_token_ids
+from lmserve.rolling_batch.grammar import GrammarCompiler
 from lmserve.rolling_batch.lora_adapters import ADAPTERS_DIR, find_adapters
 from lmserve.rolling_batch.model_loader import load_hf_config, resolve_dtype
 from lmserve.rolling_batch.protocol import GenerationParams, TopLogprobs, adapter_refusal
 from lmserve.rolling_batch.quantized_checkpoint import quantization_config
 
 from . import hf_lora
+from .hf_grammar import GrammarLogitsProcessor
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class HFEngine:
         adapters: Mapping[str, str] | None = None,
         max_lora_rank: int = 16,
         adapter_folders: Mapping[str, Path] | None = None,
+        grammars: GrammarCompiler | None = None,
     ):
         self.model = model
         self.device = device
@@ -72,6 +75,7 @@ class HFEngine:
         self.adapter_folders = dict(adapter_folders or {})  # {name: the folder it came from}
         self.max_lora_rank = max_lora_rank
         self._peft_numbers = itertools.count(len(self.adapters or ()))
+        self.grammars = grammars  # builds structured outputs' grammars; None: refused
 
     @classmethod
     def load(
@@ -97,7 +101,8 @@ class HFEngine:
             folders = find_adapters(adapters_dir or Path(model_path) / ADAPTERS_DIR)
             model, adapters = hf_lora.attach_adapters(model, folders, max_lora_rank)
         eos = eos_token_ids(model_path, trust_remote_code=trust_remote_code)
-        return cls(model, device, eos, adapters, max_lora_rank, folders)
+        grammars = GrammarCompiler(model_path, eos, trust_remote_code)
+        return cls(model, device, eos, adapters, max_lora_rank, folders, grammars)
 
     def add_adapter(self, name: str, folder: Path) -> None:
         """Serves the adapter in `folder` as `name` from the next batch on; raises
@@ -142,6 +147,7 @@ class HFEngine:
             input_ids=input_ids,
             attention_mask=attention_mask,
             generation_config=self._generation_config(first, max(p.max_new_tokens for p in params)),
+            logits_processor=self._grammar_processor(params),
         )
         # scores: one (batch, vocab) tensor per step, after repetition penalty/temperature/top-k.
         log_probs = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)
@@ -164,6 +170,16 @@ class HFEngine:
                 Generation(tokens[:length], row_log_probs, reason, top_lists, *prompt_lists)
             )
         return generations
+
+    def _grammar_processor(self, params: list[GenerationParams]) -> LogitsProcessorList | None:
+        """The rows' structured outputs as a logits processor; None when no row has one."""
+        if all(p.grammar is None for p in params):
+            return None
+        if self.grammars is None:
+            raise ValueError("this engine does not serve structured outputs")
+        states = [None if p.grammar is None else self.grammars.state_for(p.grammar) for p in params]
+        grammars = [None if state is None else state.result() for state in states]
+        return LogitsProcessorList([GrammarLogitsProcessor(grammars, self.eos_token_ids)])
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, attention_mask) with every row's last token in the last column."""

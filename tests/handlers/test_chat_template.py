@@ -19,7 +19,7 @@ import pytest
 
 from lmserve.handlers.chat import parse_chat
 from lmserve.handlers.chat_template import ChatTemplate
-from lmserve.handlers.request_parsing import BadRequest
+from lmserve.handlers.job import BadRequest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
