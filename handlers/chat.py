@@ -24,11 +24,13 @@ import msgspec
 
 from lmserve.rolling_batch.protocol import MAX_TOP_LOGPROBS, GenerationParams
 
+from .assistant_message import MessageFormat, StreamedMessage
 from .job import Dialect, GenerationJob
 from .outputs import Completion, TokenOutput
 from .request_parsing import MAX_SEQUENCES, BadRequest, _ParameterReader
 from .structured_output import openai_structured_output
 from .tokenizer import Tokenizer
+from .tool_calls import forced_grammar, read_tool_choice, read_tools
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
@@ -47,9 +49,17 @@ def parse_chat(payload: dict[str, Any], served_model: str | None = None) -> Gene
     top_logprobs = reader.integer("top_logprobs", None, minimum=0, maximum=MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not logprobs:
         raise BadRequest("top_logprobs", "needs logprobs: true")
+    tools = read_tools(payload.get("tools"))
+    tool_choice = read_tool_choice(payload, tools)
     params = msgspec.structs.replace(
         sampling.params, top_logprobs=top_logprobs or 0, log_probs=logprobs
     )
+    if tool_choice.forced:
+        if params.grammar is not None:
+            raise BadRequest(
+                "tool_choice", "a forced tool call and a response_format exclude each other"
+            )
+        params = msgspec.structs.replace(params, grammar=forced_grammar(tool_choice, tools))
     return GenerationJob(
         Dialect.CHAT,
         prompts=[],  # the chat template renders `messages` into the one prompt
@@ -60,20 +70,12 @@ def parse_chat(payload: dict[str, Any], served_model: str | None = None) -> Gene
         n=sampling.n,
         best_of=sampling.n,
         messages=parsed,
-        tools=_parse_tools(payload.get("tools")),
+        tools=tools,
+        tool_choice=tool_choice,
         model=sampling.model,
         logprobs=logprobs,
         include_usage=sampling.include_usage,
     )
-
-
-def _parse_tools(tools: Any) -> list[dict[str, Any]] | None:
-    # Passed through as given: each template has its own idea of a tool's shape.
-    if tools is None:
-        return None
-    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-        raise BadRequest("tools", "expected a list of tool objects")
-    return tools
 
 
 @dataclass(frozen=True)
@@ -218,29 +220,36 @@ class ChatResponder:
 
     content_type = "text/event-stream"
 
-    def __init__(self, tokenizer: Tokenizer, model_name: str, job: GenerationJob):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_name: str,
+        job: GenerationJob,
+        message_format: MessageFormat | None = None,
+    ):
         self.tokenizer = tokenizer
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model_name
         self.request = job
-        self._sent_role: set[int] = set()  # the choices whose first chunk went out
+        # Tool calls and reasoning, where the server or the request reads them.
+        self.format = message_format or MessageFormat()
+        self._messages: dict[int, StreamedMessage] = {}  # the choices whose first chunk went out
 
     def answer(self, prompts: list[list[Completion]]) -> dict:
         """A `chat.completion` with one choice per completion of its one prompt (OpenAI's
         `n`)."""
         (completions,) = prompts
-        choices = [
-            {
-                "index": index,
-                "message": {"role": "assistant", "content": completion.text},
-                "logprobs": self._logprobs(
-                    completion.token_ids, completion.log_probs, completion.top_logprobs
-                ),
-                "finish_reason": FINISH_REASONS.get(completion.finish_reason, "stop"),
-            }
-            for index, completion in enumerate(completions)
-        ]
+        choices = []
+        for index, completion in enumerate(completions):
+            message, has_calls = self.format.message(completion.text, completion.prompt)
+            logprobs = self._logprobs(
+                completion.token_ids, completion.log_probs, completion.top_logprobs
+            )
+            finish = _finish_reason(completion, has_calls)
+            choices.append(
+                {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+            )
         return {
             **self._envelope("chat.completion"),
             "choices": choices,
@@ -248,17 +257,29 @@ class ChatResponder:
         }
 
     def token(self, token: TokenOutput, completion: Completion | None) -> str:
-        """A chunk with the token's text in its choice's delta; the choice's last token adds
-        a chunk with its finish_reason."""
-        delta: dict[str, str] = {"content": token.text}
-        if token.index not in self._sent_role:
-            delta["role"] = "assistant"
-            self._sent_role.add(token.index)
+        """Chunks with what the token adds to its choice's message (its text as content, or
+        with tool calls or reasoning read, the pieces of those it completes; the log-probs in
+        the first); the choice's last token adds a chunk with its finish_reason."""
+        message = self._messages.get(token.index)
+        first = message is None
+        if first:
+            message = self._messages[token.index] = StreamedMessage(self.format, token.prompt)
+        if self.format.reads_parts:
+            deltas = message.add(token.text, final=completion is not None)
+        else:
+            deltas = [{"content": token.text}]
+        if first:
+            deltas = [{"role": "assistant", **(deltas[0] if deltas else {})}, *deltas[1:]]
+        if not deltas and self.request.logprobs:
+            deltas = [{}]  # the token's log-probs go out even where its text waits
         top = None if token.top_logprobs is None else [token.top_logprobs]
         logprobs = self._logprobs([token.id], [token.log_prob], top)
-        lines = [self._chunk(token.index, delta, logprobs, None)]
+        lines = [
+            self._chunk(token.index, delta, logprobs if i == 0 else None, None)
+            for i, delta in enumerate(deltas)
+        ]
         if completion is not None:
-            finish = FINISH_REASONS.get(completion.finish_reason, "stop")
+            finish = _finish_reason(completion, message.has_calls)
             lines.append(self._chunk(token.index, {}, None, finish))
         return _events(lines)
 
@@ -308,6 +329,11 @@ class ChatResponder:
             "completion_tokens": generated,
             "total_tokens": prompt_tokens + generated,
         }
+
+
+def _finish_reason(completion: Completion, has_calls: bool) -> str:
+    """OpenAI's: tool_calls where the answer holds calls (however they were chosen)."""
+    return "tool_calls" if has_calls else FINISH_REASONS.get(completion.finish_reason, "stop")
 
 
 def _events(bodies: list[dict]) -> str:

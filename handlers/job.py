@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from lmserve.rolling_batch.protocol import GenerationParams
+
+if TYPE_CHECKING:
+    from .tool_calls import ToolChoice
 
 
 class Dialect(StrEnum):
@@ -73,6 +76,7 @@ class GenerationJob:
     # Chat: the conversation and OpenAI's function tools, for the chat template.
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice | None = None  # chat: which tool calls the answer may hold
     # What the answer shows.
     model: str | None = None  # OpenAI's `model` as the request named it
     details: bool = False  # DJL: `details` (tokens, log-probs, other sequences)

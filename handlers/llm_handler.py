@@ -19,6 +19,7 @@ import msgspec
 
 from lmserve.rolling_batch.runtime import Runtime
 
+from .assistant_message import MessageFormat
 from .chat import ChatResponder, parse_chat
 from .djl_answers import DjlResponder
 from .djl_io import Input
@@ -28,8 +29,10 @@ from .interface import OPENAI_ROUTES, EngineConnection, HandlerRequest, HandlerR
 from .job import Dialect, GenerationJob
 from .openai_completions import CompletionResponder, parse_completion
 from .predictor import Predictor
+from .reasoning import reasoning_format
 from .request_parsing import BadRequest, load_payload, parse_payload, streamed
 from .responder import Responder
+from .tool_calls import tool_call_format
 
 _SSE = "text/event-stream"
 
@@ -79,7 +82,22 @@ class LLMHandler:
 
     def _chat(self, payload: dict, request: HandlerRequest) -> tuple[GenerationJob, Responder]:
         job = parse_chat(payload, self._lora_base_model)
-        return job, ChatResponder(self.predictor.tokenizer, self._model_named(job), job)
+        config = self.config
+        if job.tool_choice.mode == "auto" and not config.enable_auto_tool_choice:
+            raise BadRequest(
+                "tool_choice",
+                '"auto" (the default with `tools`) needs the server\'s'
+                " option.enable_auto_tool_choice=true and option.tool_call_parser; or send"
+                ' "none", "required" or a named function',
+            )
+        message_format = MessageFormat(
+            tool_call_format(job.tool_choice, config.tool_call_parser),
+            reasoning_format(config.reasoning_parser),
+        )
+        responder = ChatResponder(
+            self.predictor.tokenizer, self._model_named(job), job, message_format
+        )
+        return job, responder
 
     def _completion(
         self, payload: dict, request: HandlerRequest

@@ -66,6 +66,7 @@ class TokenOutput:
     special: bool
     top_logprobs: TopLogprobs | None = None
     index: int = 0  # the sequence it belongs to (OpenAI's choice index)
+    prompt: str = ""  # the sequence's prompt (a chat's rendered template)
 
 
 def complete(

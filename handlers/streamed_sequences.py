@@ -102,7 +102,7 @@ def shape_event(
             text += detokenizer.finish()
             sequence.completion = sequence.complete()
         special = token in tokenizer.special_ids
-        shaped = TokenOutput(token, text, log_prob, special, top, sequence.index)
+        shaped = TokenOutput(token, text, log_prob, special, top, sequence.index, sequence.prompt)
         yield responder.token(shaped, sequence.completion)
         if last:
             return

@@ -79,6 +79,9 @@ class ServingConfig:
     model_impl: str  # auto | native | transformers (architectures.py decides what serves)
     speculative_draft_model: str | None  # "ngram" (prompt lookup) or None: no speculation
     speculative_length: int
+    enable_auto_tool_choice: bool
+    tool_call_parser: str | None  # hermes | llama3_json | mistral
+    reasoning_parser: str | None  # deepseek_r1 | qwen3
     enable_lora: bool
     max_loras: int
     max_lora_rank: int
@@ -293,6 +296,11 @@ def _cross_field_problems(values: dict[str, Any], num_devices: int | None) -> li
             f"option.quantize={values['quantize']} with option.rolling_batch='disable':"
             " quantized weights are served by the rolling batch; expected"
             " option.rolling_batch=auto, or option.quantize unset"
+        )
+    if values["enable_auto_tool_choice"] and values["tool_call_parser"] is None:
+        problems.append(
+            "option.enable_auto_tool_choice=true without option.tool_call_parser: expected the"
+            " model's tool-call format (hermes, llama3_json or mistral)"
         )
     if values["min_workers"] > values["max_workers"]:
         problems.append(

@@ -178,6 +178,9 @@ ROLLING_BATCH_ALIASES = ("scheduler", "lmi-dist", "vllm")
 # file nor an OPTION_*/SERVING_* variable sets the key.
 SAGEMAKER_NUM_MODEL_WORKERS = "SAGEMAKER_NUM_MODEL_WORKERS"  # both minWorkers and maxWorkers
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
 SETTINGS: tuple[Setting, ...] = (
     # server keys (plain, SERVING_*)
     Setting(
@@ -533,6 +536,35 @@ SETTINGS: tuple[Setting, ...] = (
         integer(1),
         5,
         doc="most tokens drafted a step",
+    ),
+    # What agents send (LMI's names, OPTION_ENABLE_AUTO_TOOL_CHOICE, ...): the model's own
+    # tool-call text parsed into `tool_calls`, its thinking into `reasoning_content`.
+    Setting(
+        "option.enable_auto_tool_choice",
+        "enable_auto_tool_choice",
+        boolean,
+        False,
+        doc=(
+            'chat `tool_choice: "auto"` (the default with `tools`): the model\'s tool calls '
+            "parsed out of its text; needs option.tool_call_parser (docs/agents.md)"
+        ),
+    ),
+    Setting(
+        "option.tool_call_parser",
+        "tool_call_parser",
+        choice(*TOOL_CALL_PARSERS),
+        None,
+        doc="the model's tool-call format: `hermes` (Qwen, Hermes), `llama3_json`, `mistral`",
+    ),
+    Setting(
+        "option.reasoning_parser",
+        "reasoning_parser",
+        choice(*REASONING_PARSERS),
+        None,
+        doc=(
+            "`deepseek_r1` or `qwen3`: the model's `<think>` text answered as "
+            "`reasoning_content`, apart from the answer"
+        ),
     ),
     # LoRA adapters in <model dir>/adapters/<name>/ (PEFT folders), chosen per request.
     Setting(

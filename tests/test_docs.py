@@ -46,7 +46,8 @@ def test_each_documented_environment_name_sets_its_key():
                "option.max_model_len": "77", "option.entryPoint": "model.py",
                "option.enable_prefix_caching": "true", "option.quantize": "int8",
                "option.speculative_draft_model": "[ngram]", "option.max_cpu_loras": "4",
-               "option.step_trace": "/tmp/lmserve-steps.jsonl"}  # fmt: skip
+               "option.step_trace": "/tmp/lmserve-steps.jsonl",
+               "option.tool_call_parser": "hermes", "option.reasoning_parser": "qwen3"}  # fmt: skip
     for setting in SETTINGS:
         default = setting.default
         if setting.key in samples:

@@ -1,7 +1,10 @@
 """What agents send, through the OpenAI SDK against a real server on the embedded model:
 structured outputs (a JSON schema with nested objects, arrays, enums and required fields;
 `json_object`; a regex; a choice; TGI's grammar on /invocations) come back valid, streamed or
-not, and a bad schema is a 400 the SDK reports with its field."""
+not, and a bad schema is a 400 the SDK reports with its field; `tool_choice: "required"` and a
+named function return calls whose arguments validate against the tool's schema, streamed in
+pieces that add up. (`auto` parsing and reasoning: tests/handlers/test_agent_answers.py, on
+scripted output: this model writes no tool-call markup.)"""
 
 from __future__ import annotations
 
@@ -144,3 +147,68 @@ def test_bad_schemas_are_400_with_the_field(client):
         )
     assert refused.value.status_code == 400
     assert refused.value.param == "response_format.json_schema.schema"
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_required_and_named_tool_calls_validate(client):
+    schema = WEATHER["function"]["parameters"]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        answer = client.chat.completions.create(
+            model="m",
+            messages=ASK_WEATHER,
+            tools=[WEATHER],
+            tool_choice=tool_choice,
+            max_tokens=100,
+            temperature=0,
+        )
+        (choice,) = answer.choices
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls[:1]
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_a_streamed_forced_call_adds_up_to_the_whole_one(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(
+        model="m", messages=ASK_WEATHER, tools=[WEATHER], tool_choice=named, max_tokens=100,
+        temperature=0,
+    )  # fmt: skip
+    stream = client.chat.completions.create(
+        model="m", messages=ASK_WEATHER, tools=[WEATHER], tool_choice=named, max_tokens=100,
+        temperature=0, stream=True,
+    )  # fmt: skip
+    names, pieces, finish = [], [], None
+    for chunk in stream:
+        for delta_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            if delta_call.function.name:
+                names.append(delta_call.function.name)
+            pieces.append(delta_call.function.arguments or "")
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    assert names == ["get_weather"] and finish == "tool_calls"
+    assert "".join(pieces) == whole.choices[0].message.tool_calls[0].function.arguments
+
+
+def test_tools_without_auto_tool_choice_are_refused_by_name(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="m", messages=ASK_WEATHER, tools=[WEATHER])
+    assert refused.value.param == "tool_choice"

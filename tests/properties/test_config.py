@@ -81,6 +81,10 @@ CONTRACT_DEFAULTS = {
     "model_impl": "auto",  # vLLM's default: native where the family has a module
     "speculative_draft_model": None,
     "speculative_length": 5,
+    # LMI's: tool calls are read only when turned on with the model's format.
+    "enable_auto_tool_choice": False,
+    "tool_call_parser": None,
+    "reasoning_parser": None,
     "enable_lora": False,
     "max_loras": 4,
     "max_lora_rank": 16,
@@ -1046,3 +1050,20 @@ def test_a_user_handler_with_the_rolling_batch_is_refused(tmp_path, properties):
     (tmp_path / "serving.properties").write_text(properties)
     with pytest.raises(ConfigError, match="runs with engine=Python and dynamic batching"):
         load_config(tmp_path, {}, num_devices=1, user_handler=True)
+
+
+def test_agent_options_read_lmi_names_and_auto_tool_choice_needs_a_parser():
+    environ = {
+        "OPTION_ENABLE_AUTO_TOOL_CHOICE": "true",
+        "OPTION_TOOL_CALL_PARSER": "Hermes",
+        "OPTION_REASONING_PARSER": "qwen3",
+    }
+    config = load_config(None, environ).config
+    assert (config.enable_auto_tool_choice, config.tool_call_parser) == (True, "hermes")
+    assert config.reasoning_parser == "qwen3"
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, {"OPTION_ENABLE_AUTO_TOOL_CHOICE": "true"})
+    assert "option.tool_call_parser" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, {"OPTION_TOOL_CALL_PARSER": "xml"})
+    assert "hermes, llama3_json, mistral" in str(caught.value)
