@@ -1,16 +1,24 @@
 """SageMaker's /ping and the inference routes: /invocations, DJL's /predictions/<model> and
 OpenAI's chat and completions. A route checks the model name and the engine's readiness, then
 hands the body to the handler (lmserve's LLM handler, or one forwarding to a user's handle())
-and sends what it answers."""
+and sends what it answers. Also what vLLM's clients probe: /health, /version, /tokenize and
+/detokenize (the handler's tokenizer, ready or not)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import select
 import socket
 
 from flask import Flask, Response, g, jsonify, request
 
-from lmserve.handlers.interface import Handler, HandlerRequest, HandlerResponse, Route
+from lmserve.handlers.interface import (
+    TOKENIZER_ROUTES,
+    Handler,
+    HandlerRequest,
+    HandlerResponse,
+    Route,
+)
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
 
@@ -36,6 +44,11 @@ class InferenceRoutes:
         app.add_url_rule("/v1/chat/completions", "chat_completions", chat, methods=["POST"])
         completions = lambda: self.predict(self.name, Route.COMPLETIONS)  # noqa: E731
         app.add_url_rule("/v1/completions", "completions", completions, methods=["POST"])
+        app.add_url_rule("/health", "health", self.health, methods=["GET"])
+        app.add_url_rule("/version", "version", self.version, methods=["GET"])
+        for route in TOKENIZER_ROUTES:
+            answer = lambda route=route: self._handled(route)  # noqa: E731
+            app.add_url_rule(f"/{route}", route.value, answer, methods=["POST"])
 
     def ping(self):
         state = self.client.state()
@@ -44,6 +57,18 @@ class InferenceRoutes:
             return jsonify({self.name: {"status": status}})
         code = 500 if state["state"] == protocol.EngineState.FAILED else 503
         return jsonify({self.name: {"status": status, "reason": state.get("reason")}}), code
+
+    def health(self):
+        """vLLM's: 200 with no body once the engine is ready; 503 while it loads, 500 once it
+        failed (the reason in the body)."""
+        state = self.client.state()
+        if state["state"] == protocol.EngineState.READY:
+            return Response(status=200)
+        code = 500 if state["state"] == protocol.EngineState.FAILED else 503
+        return error_response(code, f"model {self.name} is not ready: {state.get('reason', '')}")
+
+    def version(self):
+        return jsonify({"version": importlib.metadata.version("lmserve")})
 
     def invocations(self):
         requested = request.args.get("model_name") or request.headers.get("model_name")
@@ -61,6 +86,9 @@ class InferenceRoutes:
             status = 500 if state["state"] == protocol.EngineState.FAILED else 503
             reason = state.get("reason", "")
             return error_response(status, f"model {self.name} is not ready: {reason}")
+        return self._handled(route)
+
+    def _handled(self, route: Route) -> Response:
         handler_request = HandlerRequest(
             body=request.get_data(cache=False),
             content_type=request.content_type,

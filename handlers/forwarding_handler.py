@@ -16,7 +16,7 @@ from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.runtime import Runtime
 
 from .engine_events import PredictionError, next_event
-from .interface import EngineConnection, HandlerRequest, HandlerResponse
+from .interface import TOKENIZER_ROUTES, EngineConnection, HandlerRequest, HandlerResponse
 
 _DEFAULT_CONTENT_TYPE = "application/octet-stream"
 
@@ -27,6 +27,10 @@ class ForwardingHandler:
         self.timeout_s = runtime.config.predict_timeout
 
     def handle(self, request: HandlerRequest) -> HandlerResponse:
+        if request.route in TOKENIZER_ROUTES:
+            return HandlerResponse.error(
+                404, f"/{request.route} is served by lmserve's LLM handler, not a model.py"
+            )
         headers = {key.lower(): value for key, value in request.headers.items()}
         if request.content_type:
             headers["content-type"] = request.content_type

@@ -26,9 +26,13 @@ class Route(StrEnum):
     INVOCATIONS = "invocations"  # /invocations and /predictions/<model>: any payload
     CHAT_COMPLETIONS = "chat_completions"  # /v1/chat/completions: OpenAI chat only
     COMPLETIONS = "completions"  # /v1/completions: OpenAI's legacy completions
+    TOKENIZE = "tokenize"  # vLLM's /tokenize and /detokenize: the tokenizer, no generation
+    DETOKENIZE = "detokenize"
 
 
-OPENAI_ROUTES = (Route.CHAT_COMPLETIONS, Route.COMPLETIONS)  # errors in OpenAI's shape
+TOKENIZER_ROUTES = (Route.TOKENIZE, Route.DETOKENIZE)
+# Errors in OpenAI's shape (vLLM's tokenizer routes answer like its OpenAI ones).
+OPENAI_ROUTES = (Route.CHAT_COMPLETIONS, Route.COMPLETIONS, *TOKENIZER_ROUTES)
 
 
 @dataclass(frozen=True)

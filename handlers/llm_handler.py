@@ -25,13 +25,21 @@ from .djl_answers import DjlResponder
 from .djl_io import Input
 from .engine_events import ClientGone, PredictionError
 from .formatters import FormattedGeneration, load_formatters
-from .interface import OPENAI_ROUTES, EngineConnection, HandlerRequest, HandlerResponse, Route
+from .interface import (
+    OPENAI_ROUTES,
+    TOKENIZER_ROUTES,
+    EngineConnection,
+    HandlerRequest,
+    HandlerResponse,
+    Route,
+)
 from .job import Dialect, GenerationJob
 from .openai_completions import CompletionResponder, parse_completion
 from .predictor import Predictor
 from .reasoning import reasoning_format
 from .request_parsing import BadRequest, load_payload, parse_payload, streamed
 from .responder import Responder
+from .tokenize_api import detokenize, tokenize
 from .tool_calls import tool_call_format
 
 _SSE = "text/event-stream"
@@ -70,6 +78,8 @@ class LLMHandler:
             return HandlerResponse.error(499, "the client closed the connection")
 
     def _answer(self, request: HandlerRequest) -> HandlerResponse:
+        if request.route in TOKENIZER_ROUTES:
+            return HandlerResponse(json=self._tokenizer_answer(request))
         payload = self._payload(request)
         plan = self._plans[dialect_of(request.route, payload)]
         job, responder = plan(payload, request)
@@ -126,6 +136,15 @@ class LLMHandler:
             job.n,
         )
         return job, responder
+
+    def _tokenizer_answer(self, request: HandlerRequest) -> dict:
+        payload = load_payload(request.body, request.content_type)
+        predictor = self.predictor
+        if request.route == Route.DETOKENIZE:
+            return detokenize(payload, predictor.tokenizer)
+        return tokenize(
+            payload, predictor.tokenizer, predictor.chat_template, predictor.max_model_len
+        )
 
     def _model_named(self, job: GenerationJob) -> str:
         """The model an OpenAI answer names: the request's, else the served one."""

@@ -4,7 +4,8 @@ structured outputs (a JSON schema with nested objects, arrays, enums and require
 not, and a bad schema is a 400 the SDK reports with its field; `tool_choice: "required"` and a
 named function return calls whose arguments validate against the tool's schema, streamed in
 pieces that add up. (`auto` parsing and reasoning: tests/handlers/test_agent_answers.py, on
-scripted output: this model writes no tool-call markup.)"""
+scripted output: this model writes no tool-call markup.) And what clients probe: /health,
+/version, /tokenize, /detokenize."""
 
 from __future__ import annotations
 
@@ -212,3 +213,15 @@ def test_tools_without_auto_tool_choice_are_refused_by_name(client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="m", messages=ASK_WEATHER, tools=[WEATHER])
     assert refused.value.param == "tool_choice"
+
+
+def test_the_small_endpoints_clients_probe(server):
+    health = requests.get(f"{server.url}/health", timeout=30)
+    assert health.status_code == 200 and health.content == b""
+    assert requests.get(f"{server.url}/version", timeout=30).json()["version"]
+    counted = requests.post(f"{server.url}/tokenize", json={"prompt": "Hello"}, timeout=30).json()
+    assert counted["count"] == len(counted["tokens"]) > 0 and counted["max_model_len"] == 1024
+    back = requests.post(f"{server.url}/detokenize", json={"tokens": counted["tokens"]}, timeout=30)
+    assert back.json() == {"prompt": "Hello"}
+    refused = requests.post(f"{server.url}/detokenize", json={"tokens": "x"}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
