@@ -7,6 +7,7 @@ one answer: the outputs, or one error."""
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 
@@ -22,6 +23,7 @@ from .engine_events import PredictionError, next_event
 from .interface import EngineConnection
 from .job import BadRequest, GenerationJob
 from .outputs import Generation, complete
+from .reasoning import reasoning_format
 from .responder import Responder
 from .streamed_sequences import StreamedSequence, stream_events
 from .tokenizer import Tokenizer
@@ -35,6 +37,7 @@ class Predictor:
         self.tokenizer = Tokenizer(runtime.model_path, runtime.config.trust_remote_code)
         self.max_model_len = context_length_of(runtime.model_path, runtime.config.max_model_len)
         self.chat_template = ChatTemplate(runtime.model_path)
+        self.reasoning = reasoning_format(runtime.config.reasoning_parser)
 
     def run(self, job: GenerationJob, request_id: str, responder: Responder, client_gone=None):
         """The job's answer as `responder` shapes it: the whole answer (`responder.answer`),
@@ -45,6 +48,12 @@ class Predictor:
         texts = job.prompts
         if job.messages is not None:
             texts = [self.chat_template.render(job.messages, job.tools)]
+            if self.reasoning is not None and job.params.grammar is not None:
+                # The grammar is the answer's: a reasoning model thinks first.
+                grammar = self.reasoning.after_thinking(job.params.grammar, texts[0])
+                job = dataclasses.replace(
+                    job, params=msgspec.structs.replace(job.params, grammar=grammar)
+                )
         prompts = [
             self.prompt_ids(
                 text,

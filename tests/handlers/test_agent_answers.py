@@ -306,3 +306,30 @@ def test_reasoning_then_a_tool_call(smollm2_dir, tokenizer):
     result = gathered(chat(handler, stream=True))
     assert result["reasoning"] == THOUGHT and result["content"] == ""
     assert result["calls"][0]["names"] == ["get_time"] and result["finish"] == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("parser", "allowed", "refused"),
+    [
+        ("deepseek_r1", ['<think>Hmm.</think>\n{"a": 1}', 'Hmm.</think>{"a": 1}'], ['{"a": 1}']),
+        ("qwen3", ['<think>Hmm.</think>\n\n{"a": 1}', '{"a": 1}'], ['Hmm.</think>{"a": 1}']),
+    ],
+)
+def test_a_grammar_applies_after_the_thinking(
+    smollm2_dir, tokenizer, vocabulary, parser, allowed, refused
+):
+    reply = '<think>Hmm.</think>\n{"a": 1}'
+    handler, engine = handler_saying(smollm2_dir, tokenizer, reply, reasoning_parser=parser)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = {
+        "messages": ASK,
+        "max_tokens": 60,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    }
+    message = call(handler, body, Route.CHAT_COMPLETIONS).json["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Hmm.", '{"a": 1}')
+    grammar = engine.messages[-1].params.grammar
+    for text in allowed:
+        assert accepts(vocabulary, grammar, text), text
+    for text in refused + ['<think>Hmm.</think>{"a": "x"}', "<think>Hmm.</think>"]:
+        assert not accepts(vocabulary, grammar, text), text
