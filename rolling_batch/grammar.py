@@ -44,6 +44,9 @@ class GrammarState:
         """Writes the allowed next tokens as a bitmask (int32 words, bit i of word w: token
         32 * w + i) to `num_mask_words` words at memory `address`."""
         self.matcher.unsafe_compute_mask_ptr(address, self.num_mask_words * 4)
+        self.check()
+
+    def check(self) -> None:
         if self.matcher.is_error():
             raise RuntimeError(f"structured output failed: {self.matcher.get_error()}")
 
@@ -67,6 +70,16 @@ class GrammarState:
     def is_finished(self) -> bool:
         """The grammar is complete and allows nothing more: the answer ends here."""
         return self.matcher.is_stopped()
+
+
+def fill_masks(states: list[GrammarState], address: int) -> None:
+    """Each state's mask (GrammarState.fill_mask) into row i of an int32 array of
+    [len(states), num_mask_words] at `address`. One after the other, on this thread:
+    llguidance's thread pool (LLExecutor) was no faster on the 2-core CPU (a served step of 32
+    constrained rows sampled in 15.7 ms with it, 12.6 ms without)."""
+    row_bytes = states[0].num_mask_words * 4
+    for row, state in enumerate(states):
+        state.fill_mask(address + row * row_bytes)
 
 
 class GrammarCompiler:

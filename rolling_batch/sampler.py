@@ -18,7 +18,7 @@ import torch
 
 from lmserve.kernels import cpu_native
 
-from .grammar import GrammarState
+from .grammar import GrammarState, fill_masks
 from .request import Request
 from .speculation import accepted_prefix
 from .step import Sample
@@ -255,54 +255,61 @@ def _penalize_rows(logits: torch.Tensor, requests: list[Request], states) -> tor
     return scores
 
 
-def grammar_masks(grammars: list[GrammarState | None]) -> dict[int, torch.Tensor]:
-    """{row: its allowed next tokens as a bitmask} for the rows with a grammar."""
-    masks = {}
-    for row, grammar in enumerate(grammars):
-        if grammar is not None:
-            masks[row] = mask = torch.empty(grammar.num_mask_words, dtype=torch.int32)
-            grammar.fill_mask(mask.data_ptr())
-    return masks
+def grammar_masks(grammars: list[GrammarState | None]) -> tuple[list[int], torch.Tensor]:
+    """(the rows with a grammar, their allowed next tokens as bitmasks, a row each)."""
+    rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
+    if not rows:
+        return rows, torch.empty(0, 0, dtype=torch.int32)
+    constrained = [grammars[row] for row in rows]
+    words = torch.empty(len(rows), constrained[0].num_mask_words, dtype=torch.int32)
+    fill_masks(constrained, words.data_ptr())
+    return rows, words
 
 
-def _draft_masks(drafts: list[tuple[Request, tuple[int, ...]]]) -> dict[int, torch.Tensor]:
+def _draft_masks(drafts: list[tuple[Request, tuple[int, ...]]]) -> tuple[list[int], torch.Tensor]:
     """The bitmasks of a speculating request's rows with a grammar: after its newest token,
     then after each drafted one (the drafts hold only tokens the grammar allows)."""
-    masks, row = {}, 0
+    rows, masks, row = [], [], 0
     for request, draft in drafts:
         grammar = request.grammar
         if grammar is not None:
             for position in range(len(draft) + 1):
-                masks[row + position] = mask = torch.empty(
-                    grammar.num_mask_words, dtype=torch.int32
-                )
+                masks.append(mask := torch.empty(grammar.num_mask_words, dtype=torch.int32))
                 grammar.fill_mask(mask.data_ptr())
+                rows.append(row + position)
                 if position < len(draft):
                     grammar.advance(draft[position : position + 1])
             grammar.rollback(len(draft))
         row += len(draft) + 1
-    return masks
+    return rows, torch.stack(masks)
 
 
-_BIT_VALUES = torch.arange(32, dtype=torch.int32)
+# A byte of a bitmask -> what its 8 tokens add to their logits: 0 where allowed, -inf where not.
+# Read through a table: torch's masked_fill with a bool mask took 7-13 ms for 32 rows of a
+# 49k vocabulary on the 2-core CPU, this 2 ms.
+_BYTE_BIAS = torch.where(
+    (torch.arange(256)[:, None] >> torch.arange(8)) & 1 == 1, 0.0, float("-inf")
+).to(torch.float32)
 
 
-def mask_disallowed(scores: torch.Tensor, masks: dict[int, torch.Tensor]) -> torch.Tensor:
-    """`scores` with the tokens each row's grammar forbids at -inf (a new tensor): bit i of
-    word w of a row's mask allows token 32 * w + i; ids past the grammar's vocabulary (the
-    model's padding rows) are never allowed."""
-    if not masks:
+def mask_disallowed(scores: torch.Tensor, masks: tuple[list[int], torch.Tensor]) -> torch.Tensor:
+    """`scores` (a new tensor) with the tokens each masked row's grammar forbids at -inf: bit
+    i of word w of a row's mask allows token 32 * w + i; ids past the grammar's vocabulary
+    (the model's padding rows) are never allowed."""
+    rows, words = masks
+    if not rows:
         return scores
-    rows = sorted(masks)
-    words = torch.stack([masks[row] for row in rows])
-    allowed = ((words[:, :, None] >> _BIT_VALUES) & 1).view(len(rows), -1).bool()
     vocab = scores.shape[-1]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    index = torch.tensor(rows, device=scores.device)
-    constrained = scores.index_select(0, index)
-    constrained.masked_fill_(~allowed[:, :vocab].to(scores.device), float("-inf"))
-    return scores.index_copy(0, index, constrained)
+    index = words.view(torch.uint8).to(torch.int32).view(-1)
+    bias = _BYTE_BIAS.to(scores.device).index_select(0, index.to(scores.device))
+    bias = bias.view(len(rows), -1)
+    if bias.shape[1] < vocab:
+        bias = torch.nn.functional.pad(bias, (0, vocab - bias.shape[1]), value=float("-inf"))
+    bias = bias[:, :vocab].to(scores.dtype)
+    if len(rows) == len(scores):
+        return bias.add_(scores)
+    selected = torch.tensor(rows, device=scores.device)
+    return scores.index_copy(0, selected, bias.add_(scores.index_select(0, selected)))
 
 
 def _filter_rows(rows: torch.Tensor, temperatures, top_ks, top_ps):

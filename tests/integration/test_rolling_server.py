@@ -5,11 +5,13 @@ block pool small enough to force preemption. Every third request also asks for i
 log-probs and the top tokens, which equal HF's across the ranks' sharded LM head. Two of the
 three start from the LMI guides' starter configs (engine=Python with
 option.rolling_batch=scheduler or vllm), which lmserve serves with the same rolling batch over
-MPI ranks."""
+MPI ranks. Then requests with a grammar (TGI's regex), greedy and sampled, answer within it
+across the ranks, preempted or not."""
 
 from __future__ import annotations
 
 import random
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -83,6 +85,26 @@ def engine_stats(server: Server) -> dict:
     return requests.get(f"{server.url}/models/{name}", timeout=10).json()["engine"]["stats"]
 
 
+def check_structured_outputs(server: Server) -> None:
+    """Grammars across the ranks (rank 0 samples), sampled and greedy, beside free requests
+    (and, with a small block pool, preempted and recomputed: the grammar keeps its place)."""
+    pattern = r"[0-9]{3}-[0-9]{4}( ext\. [0-9]{2})?"
+
+    def ask(index):
+        parameters = {"max_new_tokens": 24, "do_sample": index % 2 == 1, "seed": index}
+        if index % 4 != 3:
+            parameters["grammar"] = {"type": "regex", "value": pattern}
+        body = {"inputs": f"Story {index}: call me at", "parameters": parameters}
+        return requests.post(f"{server.url}/invocations", json=body, timeout=600)
+
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(ask, range(12)))
+    for index, answer in enumerate(answers):
+        assert answer.status_code == 200, answer.text
+        if index % 4 != 3:
+            assert re.fullmatch(pattern, answer.json()["generated_text"]), answer.text
+
+
 def check_answers(responses, workload):
     for index, (response, case) in enumerate(zip(responses, workload)):
         _, max_new, expected, logits, prompt_log_probs = case
@@ -120,6 +142,7 @@ def test_concurrent_greedy_requests_match_hf(tmp_path, workload, variant):
     try:
         check_answers(fire(server, workload), workload)
         stats = engine_stats(server)
+        check_structured_outputs(server)
     finally:
         assert server.stop() == 0
     assert stats["num_steps_with_joins"] > 0, "no request joined a running batch"

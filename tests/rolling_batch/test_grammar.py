@@ -6,6 +6,7 @@ what the grammar allows, and engine=Python's `generate` masks its rows the same 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
@@ -92,6 +93,19 @@ def test_sampled_rows_follow_their_grammar_and_free_rows_are_untouched(compiler,
     jsonschema.validate(json.loads(tokenizer.decode(record.output_ids)), SCHEMA)
     # The free row took the argmax of its own logits at every step, grammars or not beside it.
     assert free.output_ids == [int(s[2].argmax()) for s in steps[: len(free.output_ids)]]
+
+
+def test_log_probs_are_of_the_masked_distribution(compiler, tokenizer):
+    """What a constrained row reports: its token's log-prob and alternatives under what the
+    grammar allows (the distribution it was drawn from), never a forbidden token."""
+    for do_sample in (False, True):
+        digit = constrained(compiler, regex_grammar("[0-9]"), top_logprobs=12, do_sample=do_sample)
+        sampled, failed = Sampler(torch.device("cpu")).sample(torch.randn(1, VOCAB) * 3, [digit])
+        sample = sampled[digit]
+        alternatives = dict(sample.top_logprobs)  # only the ten digits have a probability
+        assert sorted(tokenizer.decode([t]) for t in alternatives) == list("0123456789")
+        assert sum(math.exp(p) for p in alternatives.values()) == pytest.approx(1.0, abs=1e-4)
+        assert alternatives[sample.token] == pytest.approx(sample.log_prob, abs=1e-5)
 
 
 def test_the_same_grammar_gives_each_request_its_own_state(compiler):
