@@ -36,7 +36,6 @@ from .interface import (
 from .job import Dialect, GenerationJob
 from .openai_completions import CompletionResponder, parse_completion
 from .predictor import Predictor
-from .reasoning import reasoning_format
 from .request_parsing import BadRequest, load_payload, parse_payload, streamed
 from .responder import Responder
 from .tokenize_api import detokenize, tokenize
@@ -102,7 +101,7 @@ class LLMHandler:
             )
         message_format = MessageFormat(
             tool_call_format(job.tool_choice, config.tool_call_parser),
-            reasoning_format(config.reasoning_parser),
+            self.predictor.reasoning,  # the predictor's: it wraps grammars behind thinking
         )
         responder = ChatResponder(
             self.predictor.tokenizer, self._model_named(job), job, message_format
