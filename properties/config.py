@@ -118,8 +118,10 @@ def load_config(
     num_devices: int | None = None,
     max_tensor_parallel: int | None = None,
     user_handler: bool = False,
+    properties: Mapping[str, str] | None = None,
 ) -> ResolvedConfig:
-    """Reads `<model_dir>/serving.properties` (if any) and the environment.
+    """Reads `<model_dir>/serving.properties` (if any) and the environment; `properties`
+    (serving.properties keys, the offline LLM's arguments) override both.
 
     `user_handler`: the model dir brings its own `handle()`, which serves with engine=Python
     and dynamic batching (a configuration that asks for the rolling batch is refused).
@@ -130,6 +132,7 @@ def load_config(
     """
     environ = os.environ if environ is None else environ
     file_values = _read_file(model_dir)
+    file_values.update({key: (text, "argument") for key, text in (properties or {}).items()})
     raw = _merge_sources(file_values, environ)
     problems: list[str] = []
     values: dict[str, Any] = {}

@@ -150,10 +150,6 @@ class EngineStats:
     num_steps_with_leaves: int = 0  # a request left it (finished) while others ran on
     tokens_generated: int = 0
     finished: Counter = field(default_factory=Counter)  # finish reason -> requests
-    http_responses: Counter = field(default_factory=Counter)  # status -> responses
-    # LoRA: requests admitted and tokens generated per adapter (the base model's are not here).
-    adapter_requests: Counter = field(default_factory=Counter)
-    adapter_tokens: Counter = field(default_factory=Counter)
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     time_per_token: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
     steps: StepProfile = field(default_factory=StepProfile)
@@ -165,9 +161,6 @@ class EngineStats:
             "num_steps_with_leaves": self.num_steps_with_leaves,
             "tokens_generated": self.tokens_generated,
             "finished": dict(self.finished),
-            "http_responses": {str(k): v for k, v in self.http_responses.items()},
-            "adapter_requests": dict(self.adapter_requests),
-            "adapter_tokens": dict(self.adapter_tokens),
             "time_to_first_token_seconds": self.time_to_first_token.to_dict(),
             "time_per_output_token_seconds": self.time_per_token.to_dict(),
             **self.steps.to_dict(),

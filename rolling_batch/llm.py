@@ -4,36 +4,49 @@
     with LLM() as llm:                       # the embedded SmolLM2-135M-Instruct
         print(llm.generate(["The capital of France is"], max_new_tokens=16)[0].text)
 
-With `tensor_parallel_degree > 1` it starts the MPI ranks itself, as the server does, talks to
-rank 0 over a private ZeroMQ socket and stops them on `close()` (or leaving the `with`).
+The LLM is a client of the server's engine over the same typed protocol: every prompt is a
+GenerateRequest, answered by a FinalEvent (or an ErrorEvent). With one rank the engine shell
+and the rolling batch run in this process (worker.build_rolling_core); with
+`tensor_parallel_degree > 1` it starts the MPI ranks as the server does (worker.py, in a
+private directory) and talks to rank 0 over their socket, stopping them on `close()` (or
+leaving the `with`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lmserve.properties.config import default_cache_dir
-from lmserve.properties.settings import speculative_drafts
+import zmq
+
+from lmserve.properties.config import ServingConfig, default_cache_dir, load_config
 
 from . import protocol
 from .engine_setup import RuntimeOptions, build_runner
+from .engine_shell import EngineShell
 from .eos_tokens import eos_token_ids
 from .layers.parallel import TensorParallelGroup
+from .model_runner import ModelRunner
 from .model_source import local_model_path
 from .mpi_launch import engine_environment, rank_command
-from .offline_generation import generate_greedy
+from .runtime import Runtime, read_state
+from .worker import build_rolling_core
 
 log = logging.getLogger(__name__)
+
+_CLIENT = b"llm"  # the in-process client's identity at the shell
+
+# A request's answer: its FinalEvent, or the ErrorEvent that refused or failed it.
+Answer = protocol.FinalEvent | protocol.ErrorEvent
 
 
 @dataclass(frozen=True)
@@ -47,60 +60,29 @@ class LLM:
     def __init__(
         self,
         model: str | os.PathLike | None = None,
-        tensor_parallel_degree: int = 1,
-        paged_attention: bool = True,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        max_rolling_batch_size: int = 32,
-        cpu_kv_cache_fraction: float = 0.25,
         cache_dir: str | os.PathLike | None = None,
-        trust_remote_code: bool = False,
-        quantize: str | None = None,
-        model_impl: str = "auto",
-        enable_lora: bool = False,
-        max_loras: int = 4,
-        max_lora_rank: int = 16,
-        max_cpu_loras: int | None = None,
-        speculative_draft_model: str | None = None,
-        speculative_length: int = 5,
         loading_timeout_s: float = 600.0,
+        **options: object,
     ):
-        """The options are serving.properties' of the same names; with `enable_lora` the
-        adapters are the PEFT folders in `<model>/adapters/<name>/`; with
-        `speculative_draft_model="[ngram]"` up to `speculative_length` drafted tokens are
-        checked a step (the same tokens, fewer steps where the text repeats itself)."""
+        """`options`: serving.properties' option.* settings by their names, defaulting as
+        there (docs/configuration.md): `tensor_parallel_degree`, `dtype`, `max_model_len`,
+        `paged_attention`, `block_size`, `max_rolling_batch_size`, `quantize`, `enable_lora`
+        (the adapters are the PEFT folders in `<model>/adapters/<name>/`),
+        `speculative_draft_model="[ngram]"`, ... An unknown name or a bad value raises
+        ConfigError naming it."""
         from transformers import AutoTokenizer
 
         cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.model_path = local_model_path(model, cache)
+        config = engine_config(options)
         self.tokenizer = AutoTokenizer.from_pretrained(
-            self.model_path, trust_remote_code=trust_remote_code
+            self.model_path, trust_remote_code=config.trust_remote_code
         )
         self.eos_token_ids = eos_token_ids(self.model_path, self.tokenizer)
-        drafts = speculative_drafts(speculative_draft_model or "")
-        self._speculative_length = speculative_length if drafts else 0
-        options = RuntimeOptions(
-            dtype=dtype,
-            max_model_len=max_model_len,
-            paged_attention=paged_attention,
-            block_size=block_size,
-            max_rolling_batch_size=max_rolling_batch_size,
-            cpu_kv_cache_fraction=cpu_kv_cache_fraction,
-            trust_remote_code=trust_remote_code,
-            quantize=quantize,
-            model_impl=model_impl,
-            enable_lora=enable_lora,
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-            max_cpu_loras=max_cpu_loras or max_loras,
-        )
-        if tensor_parallel_degree == 1:
-            self._engine = _InProcessEngine(self.model_path, options)
+        if config.tensor_parallel_degree == 1:
+            self._engine = LocalEngine.load(self.model_path, config, self.eos_token_ids)
         else:
-            self._engine = _MPIEngine(
-                self.model_path, options, tensor_parallel_degree, loading_timeout_s
-            )
+            self._engine = _RankEngine(self.model_path, config, loading_timeout_s)
 
     def generate(
         self,
@@ -110,23 +92,31 @@ class LLM:
         adapters: str | list[str | None] | None = None,
     ) -> list[GenerationResult]:
         """Greedy generation; one result per prompt, in order. `adapters`: the LoRA adapter of
-        every prompt, or a list with each prompt's (None: the base model)."""
+        every prompt, or a list with each prompt's (None: the base model). A prompt the engine
+        refuses (too long, an adapter not served) raises ValueError naming it."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if adapters is None or isinstance(adapters, str):
             adapters = [adapters] * len(prompts)
         texts = [p if isinstance(p, str) else None for p in prompts]
-        prompt_ids = [
-            self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompts
+        requests = [
+            protocol.GenerateRequest(
+                str(index),
+                self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt),
+                protocol.GenerationParams(
+                    max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, adapter=adapter
+                ),
+                stream=False,
+            )
+            for index, (prompt, adapter) in enumerate(zip(prompts, adapters, strict=True))
         ]
-        outputs = self._engine.generate(
-            prompt_ids,
-            max_new_tokens,
-            sorted(self.eos_token_ids),
-            ignore_eos,
-            list(adapters),
-            self._speculative_length,
-        )
+        answers = self._engine.run(requests)
+        refused = [
+            answers[r.id] for r in requests if isinstance(answers[r.id], protocol.ErrorEvent)
+        ]
+        if refused:
+            raise ValueError("; ".join(f"prompt {e.id}: {e.message}" for e in refused))
+        outputs = [answers[r.id].token_ids for r in requests]
         return [
             GenerationResult(text, self.tokenizer.decode(ids, skip_special_tokens=True), ids)
             for text, ids in zip(texts, outputs)
@@ -142,95 +132,146 @@ class LLM:
         self.close()
 
 
-class _InProcessEngine:
-    def __init__(self, model_path: Path, options: RuntimeOptions):
-        self.runner, _, self.max_model_len = build_runner(
-            model_path, options, TensorParallelGroup()
-        )
-        self.max_rolling_batch_size = options.max_rolling_batch_size
+def engine_config(options: dict[str, object]) -> ServingConfig:
+    """The ServingConfig of the LLM's options, resolved and checked as serving.properties'
+    are (the environment is not read). An offline batch waits as long as it needs: no queue
+    bound, no option.predict_timeout."""
+    properties = {
+        f"option.{name}": str(value).lower() if isinstance(value, bool) else str(value)
+        for name, value in options.items()
+        if value is not None
+    }
+    config = load_config(None, environ={}, properties=properties).config
+    unknown = sorted(config.extra_options)
+    if unknown:
+        raise TypeError(f"LLM() got unknown options: {', '.join(unknown)}")
+    return replace(config, job_queue_size=sys.maxsize, predict_timeout=None)
 
-    def generate(self, prompts, max_new_tokens, eos_token_ids, ignore_eos, adapters, drafts):
-        runner = self.runner
-        return generate_greedy(
-            runner.execute,
-            runner.num_blocks,
-            runner.block_size,
-            self.max_model_len,
-            self.max_rolling_batch_size,
-            prompts,
-            max_new_tokens,
-            set(eos_token_ids),
-            ignore_eos,
-            adapters=adapters,
-            lora=runner.lora,
-            speculative_length=drafts,
+
+class LocalEngine:
+    """The engine shell and the rolling batch in this process (one rank); the shell's frames
+    come back through `_Inbox`."""
+
+    def __init__(self, shell: EngineShell, inbox: _Inbox, runner: ModelRunner):
+        self.shell = shell
+        self._inbox = inbox
+        self.runner = runner
+
+    @classmethod
+    def load(cls, model_path: Path, config: ServingConfig, eos: set[int]) -> LocalEngine:
+        runner, _, max_model_len = build_runner(
+            model_path, RuntimeOptions.from_config(config), TensorParallelGroup()
         )
+        return cls.for_runner(config, model_path, runner, max_model_len, eos)
+
+    @classmethod
+    def for_runner(
+        cls,
+        config: ServingConfig,
+        model_path: str | Path,
+        runner: ModelRunner,
+        max_model_len: int,
+        eos: set[int],
+    ) -> LocalEngine:
+        core = build_rolling_core(
+            config, str(model_path), runner, max_model_len, eos, execute=runner.execute_step
+        )
+        inbox = _Inbox()
+        return cls(EngineShell(core, inbox, config.job_queue_size), inbox, runner)
+
+    def run(self, requests: list[protocol.GenerateRequest]) -> dict[str, Answer]:
+        for request in requests:
+            self.shell.handle(_CLIENT, request)
+        self.shell.outbox.flush()
+        while self.shell.core.seconds_until_work(time.monotonic()) is not None:
+            self.shell.turn()
+        return self._inbox.take()
 
     def close(self) -> None:
-        self.runner = None
+        self.shell = self.runner = None
 
 
-class _MPIEngine:
-    """Drives `mpiexec -n N` ranks running `mpi_worker`; replies come from rank 0."""
+class _Inbox:
+    """Stands for the socket of an in-process shell: keeps the answers it is sent."""
 
-    def __init__(self, model_path: Path, options: RuntimeOptions, ranks: int, timeout_s: float):
-        import zmq
+    def __init__(self):
+        self._answers: dict[str, Answer] = {}
 
+    def send_multipart(self, frames: list[bytes]) -> None:
+        _, frame = frames
+        for event in protocol.decode_events(frame):
+            if isinstance(event, (protocol.FinalEvent, protocol.ErrorEvent)):
+                self._answers[event.id] = event
+
+    def take(self) -> dict[str, Answer]:
+        answers, self._answers = self._answers, {}
+        return answers
+
+
+class _RankEngine:
+    """`mpiexec -n N` ranks running the server's worker.py in a private directory; this
+    process is their one front end."""
+
+    def __init__(self, model_path: Path, config: ServingConfig, timeout_s: float):
         # mkdtemp makes the directory 0700: only this user reaches the socket.
-        self._ipc_dir = tempfile.mkdtemp(prefix="lmserve-llm-")
-        address = f"ipc://{self._ipc_dir}/rank0.sock"
-        settings = {"model_path": str(model_path), "options": asdict(options), "address": address}
-        command = rank_command(ranks, "lmserve.rolling_batch.mpi_worker", json.dumps(settings))
+        ipc_dir = tempfile.mkdtemp(prefix="lmserve-llm-")
+        runtime = Runtime(config, model_path.name, str(model_path), str(model_path), ipc_dir)
+        command = rank_command(
+            config.tensor_parallel_degree, "lmserve.rolling_batch.worker", str(runtime.write())
+        )
         self._process = subprocess.Popen(command, start_new_session=True, env=engine_environment())
         # An LLM dropped without close() (or an interpreter exiting) still stops its ranks.
-        self._finalizer = weakref.finalize(self, _kill_ranks, self._process, self._ipc_dir)
+        self._finalizer = weakref.finalize(self, _stop_ranks, self._process, ipc_dir)
+        self._wait_until_ready(runtime, timeout_s)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(address)
-        self._request({"op": "hello"}, timeout_s)
+        self._socket.connect(runtime.engine_address)
 
-    def generate(self, prompts, max_new_tokens, eos_token_ids, ignore_eos, adapters, drafts):
-        reply = self._request(
-            {
-                "op": "generate",
-                "prompts": prompts,
-                "max_new_tokens": max_new_tokens,
-                "eos_token_ids": eos_token_ids,
-                "ignore_eos": ignore_eos,
-                "adapters": adapters,
-                "speculative_length": drafts,
-            },
-            timeout_s=None,
-        )
-        return reply["token_ids"]
-
-    def _request(self, message: dict, timeout_s: float | None) -> dict:
-        self._socket.send(protocol.pack(message))
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self._socket.poll(100):
-            if self._process.poll() is not None:
-                raise RuntimeError(f"the MPI ranks exited with code {self._process.returncode}")
-            if deadline is not None and time.monotonic() > deadline:
+    def _wait_until_ready(self, runtime: Runtime, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = read_state(runtime)
+            if state["state"] == protocol.EngineState.READY:
+                return
+            if state["state"] == protocol.EngineState.FAILED:
                 self.close()
-                raise TimeoutError(f"the MPI ranks did not answer {message['op']!r} in time")
-        reply = protocol.unpack(self._socket.recv())
-        if "error" in reply:
-            raise ValueError(reply["error"])
-        return reply
+                raise RuntimeError(state["reason"])
+            self._check_alive()
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"the MPI ranks did not load the model in {timeout_s:g} s")
+            time.sleep(0.1)
+
+    def _check_alive(self) -> None:
+        if self._process.poll() is not None:
+            raise RuntimeError(f"the MPI ranks exited with code {self._process.returncode}")
+
+    def run(self, requests: list[protocol.GenerateRequest]) -> dict[str, Answer]:
+        for request in requests:
+            self._socket.send(protocol.encode(request))
+        answers: dict[str, Answer] = {}
+        while len(answers) < len(requests):
+            if not self._socket.poll(100):
+                self._check_alive()
+                continue
+            for event in protocol.decode_events(self._socket.recv()):
+                if isinstance(event, (protocol.FinalEvent, protocol.ErrorEvent)):
+                    answers[event.id] = event
+        return answers
 
     def close(self) -> None:
-        if self._process.poll() is None:
-            try:
-                self._socket.send(protocol.pack({"op": "shutdown"}))
-                self._process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        self._socket.close()
+        if hasattr(self, "_socket"):
+            self._socket.close()
         self._finalizer()
 
 
-def _kill_ranks(process: subprocess.Popen, ipc_dir: str) -> None:
+def _stop_ranks(process: subprocess.Popen, ipc_dir: str) -> None:
+    """SIGTERM the ranks' process group, SIGKILL whatever outlives 30 s."""
     if process.poll() is None:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
     shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -1,25 +1,17 @@
-"""The tensor-parallel ranks: `mpiexec -n N python -m mpi4py -m lmserve.rolling_batch.mpi_worker
-SETTINGS_JSON`. Every rank loads its shard; rank 0 takes work from the driver over a ZeroMQ
-socket and sends each step to the other ranks, which run it in lockstep (their all-reduces
-meet rank 0's). Started through `python -m mpi4py`, an exception on any rank aborts the job
-instead of leaving the others waiting forever.
-"""
+"""The tensor-parallel ranks of engine=MPI (worker.py): their collectives (MPI's on CPU,
+NCCL's on GPUs), and the steps rank 0 sends the other ranks, which run them in lockstep (their
+all-reduces meet rank 0's)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
-import sys
 import time
 
 import torch
 
-from . import protocol
-from .engine_setup import RuntimeOptions, build_runner
 from .layers.parallel import MPIGroup, NcclGroup, TensorParallelGroup
-from .offline_generation import generate_greedy
 from .step import AdapterSources
 
 log = logging.getLogger("lmserve.rank")
@@ -81,9 +73,6 @@ class StepBroadcaster:
         self.runner = runner
         self.comm = comm
 
-    def __call__(self, chunks):
-        return self.execute_step(chunks).logits
-
     def execute_step(self, chunks):
         for rank in range(1, self.comm.Get_size()):
             self.comm.send(chunks, dest=rank, tag=_STEP_TAG)
@@ -93,14 +82,10 @@ class StepBroadcaster:
         for rank in range(1, self.comm.Get_size()):
             self.comm.send(AdapterSources(folders), dest=rank, tag=_STEP_TAG)
 
-    def stop_followers(self) -> None:
-        for rank in range(1, self.comm.Get_size()):
-            self.comm.send(None, dest=rank, tag=_STEP_TAG)
-
 
 def follow(runner, comm) -> None:
-    """Ranks > 0: run every step rank 0 sends until it sends None (and take the adapters it
-    registers or drops between steps)."""
+    """Ranks > 0: run every step rank 0 sends (and take the adapters it registers or drops
+    between steps), until the job ends."""
     last_step = time.monotonic()
     while True:
         if not comm.Iprobe(source=0, tag=_STEP_TAG):
@@ -108,72 +93,8 @@ def follow(runner, comm) -> None:
                 time.sleep(_IDLE_SLEEP_S)
             continue
         message = comm.recv(source=0, tag=_STEP_TAG)
-        if message is None:
-            return
         if isinstance(message, AdapterSources):
             runner.lora.set_sources(message.folders)
             continue
         runner.execute(message)
         last_step = time.monotonic()
-
-
-def serve_driver(runner, broadcaster: StepBroadcaster, address: str, limits) -> None:
-    """Rank 0 for the offline LLM: answer the driver's requests until it says shutdown."""
-    import zmq
-
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.bind(address)
-    while True:
-        identity, frame = sock.recv_multipart()
-        message = protocol.unpack(frame)
-        op = message["op"]
-        if op == "hello":
-            reply = {"ok": True}
-        elif op == "generate":
-            try:
-                token_ids = generate_greedy(
-                    broadcaster,
-                    runner.num_blocks,
-                    runner.block_size,
-                    *limits,
-                    message["prompts"],
-                    message["max_new_tokens"],
-                    set(message["eos_token_ids"]),
-                    message["ignore_eos"],
-                    adapters=message["adapters"],
-                    lora=runner.lora,
-                    speculative_length=message["speculative_length"],
-                )
-                reply = {"token_ids": token_ids}
-            except ValueError as error:  # refused before any step: the other ranks are idle
-                reply = {"error": str(error)}
-        elif op == "shutdown":
-            broadcaster.stop_followers()
-            sock.send_multipart([identity, protocol.pack({"ok": True})])
-            sock.close(linger=1000)
-            return
-        else:
-            reply = {"error": f"unknown op {op!r}"}
-        sock.send_multipart([identity, protocol.pack(reply)])
-
-
-def main() -> None:
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s rank{comm.Get_rank()} %(levelname)s %(message)s"
-    )
-    settings = json.loads(sys.argv[1])
-    group = make_group(comm)
-    options = RuntimeOptions(**settings["options"])
-    runner, _, max_model_len = build_runner(settings["model_path"], options, group, comm.Get_size())
-    if comm.Get_rank() == 0:
-        limits = (max_model_len, options.max_rolling_batch_size)
-        serve_driver(runner, StepBroadcaster(runner, comm), settings["address"], limits)
-    else:
-        follow(runner, comm)
-
-
-if __name__ == "__main__":
-    main()

@@ -305,18 +305,3 @@ def adapter_refusal(
 
 def queue_full_event(request_id: str, limit: int) -> ErrorEvent:
     return ErrorEvent(request_id, 503, f"job queue full ({limit} requests waiting; job_queue_size)")
-
-
-# The offline LLM (rolling_batch/llm.py) and its rank 0 (mpi_worker.serve_driver) talk over a
-# socket of their own, within one process tree, in plain maps: not part of this protocol.
-
-
-def pack(message: dict) -> bytes:
-    return msgspec.msgpack.encode(message)
-
-
-def unpack(frame: bytes) -> dict:
-    message = msgspec.msgpack.decode(frame)
-    if not isinstance(message, dict):
-        raise ValueError("IPC frame is not a map")
-    return message

@@ -6,22 +6,28 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 
 import zmq
+
+from lmserve.properties.config import ServingConfig
 
 from . import protocol
 from .adapter_registry import AdapterRegistry
 from .block_manager import BlockManager
-from .engine_loop import RollingEngine
 from .engine_setup import RuntimeOptions, build_runner
+from .engine_shell import EngineShell
 from .engine_stats import StepTrace
 from .eos_tokens import eos_token_ids
 from .grammar import GrammarCompiler
+from .model_runner import ModelRunner, StepLogits
 from .mpi_worker import StepBroadcaster, follow, make_group, ranks_on_this_host
+from .rolling_core import RollingBatchCore
 from .runtime import Runtime, write_state
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .speculation import NgramDrafter
+from .step import SequenceChunk
 
 
 def main() -> None:
@@ -51,21 +57,20 @@ def main() -> None:
     if rank != 0:
         follow(runner, comm)
         return
-    scheduler = Scheduler(
-        BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching),
-        max_rolling_batch_size=config.max_rolling_batch_size,
-        max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
-        max_model_len=max_model_len,
-        max_loras=config.max_loras if config.enable_lora else None,
-        drafter=NgramDrafter(config.speculative_length) if config.speculative_draft_model else None,
-        argmax_head=runner.argmax_head,
-        shortest_first=config.scheduling_policy == "shortest_first",
-        adapter_weights=runner.lora.weights_digest if runner.lora is not None else None,
-    )
     # Before the ready state: a tokenizer that fails to load here, or a step trace that
     # cannot be written, must fail start-up.
     eos = eos_token_ids(runtime.model_path, trust_remote_code=config.trust_remote_code)
-    step_trace = StepTrace(config.step_trace) if config.step_trace else None
+    broadcaster = StepBroadcaster(runner, comm)
+    core = build_rolling_core(
+        config,
+        runtime.model_path,
+        runner,
+        max_model_len,
+        eos,
+        execute=broadcaster.execute_step,
+        world_size=comm.Get_size(),
+        share_adapters=broadcaster.share_adapters,
+    )
     socket = zmq.Context.instance().socket(zmq.ROUTER)
     socket.bind(runtime.engine_address)
     dtype = str(runner.model.dtype).removeprefix("torch.")
@@ -88,26 +93,46 @@ def main() -> None:
         runner.block_size,
     )
     write_state(runtime, protocol.EngineState.READY, dtype=dtype, device=str(runner.device))
-    broadcaster = StepBroadcaster(runner, comm)
+    EngineShell(core, socket, config.job_queue_size, config.predict_timeout).run_forever()
+
+
+def build_rolling_core(
+    config: ServingConfig,
+    model_path: str,
+    runner: ModelRunner,
+    max_model_len: int,
+    eos: set[int],
+    execute: Callable[[list[SequenceChunk]], StepLogits],
+    world_size: int = 1,
+    share_adapters: Callable[[dict[str, str]], None] = lambda folders: None,
+) -> RollingBatchCore:
+    """Rank 0's rolling batch over a loaded runner, as `config` sets it up: for the server's
+    engine and the offline LLM alike. `execute` runs a step on every rank; `share_adapters`
+    tells the other ranks where the adapters are."""
+    scheduler = Scheduler(
+        BlockManager(runner.num_blocks, runner.block_size, config.enable_prefix_caching),
+        max_rolling_batch_size=config.max_rolling_batch_size,
+        max_prefill_tokens=config.max_rolling_batch_prefill_tokens,
+        max_model_len=max_model_len,
+        max_loras=config.max_loras if config.enable_lora else None,
+        drafter=NgramDrafter(config.speculative_length) if config.speculative_draft_model else None,
+        argmax_head=runner.argmax_head,
+        shortest_first=config.scheduling_policy == "shortest_first",
+        adapter_weights=runner.lora.weights_digest if runner.lora is not None else None,
+    )
     adapters = None
     if runner.lora is not None:
-        adapters = AdapterRegistry(
-            runner.lora, broadcaster.share_adapters, scheduler.blocks.forget_adapter
-        )
-    engine = RollingEngine(
-        broadcaster.execute_step,
+        adapters = AdapterRegistry(runner.lora, share_adapters, scheduler.blocks.forget_adapter)
+    return RollingBatchCore(
+        execute,
         scheduler,
         Sampler(runner.device),
-        socket,
         eos,
-        max_waiting=config.job_queue_size,
-        world_size=comm.Get_size(),
-        slot_timeout_s=config.predict_timeout,
+        world_size=world_size,
         adapters=adapters,
-        step_trace=step_trace,
-        grammars=GrammarCompiler(runtime.model_path, eos, config.trust_remote_code),
+        step_trace=StepTrace(config.step_trace) if config.step_trace else None,
+        grammars=GrammarCompiler(model_path, eos, config.trust_remote_code),
     )
-    engine.run_forever()
 
 
 if __name__ == "__main__":

@@ -10,12 +10,8 @@ request runs first, so no group starves. Torch-free.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-# How batch work answers: send(the ROUTER identity of the asking front end, an engine event).
-Send = Callable[[bytes, Any], None]
 
 
 @dataclass
@@ -28,15 +24,11 @@ class PendingRequest:
 
 
 class DynamicBatcher:
-    def __init__(self, batch_size: int, max_batch_delay_s: float, max_queued: int):
+    def __init__(self, batch_size: int, max_batch_delay_s: float):
         self.batch_size = batch_size
         self.max_batch_delay_s = max_batch_delay_s
-        self.max_queued = max_queued
         self._groups: dict[tuple, list[PendingRequest]] = {}  # batch key -> arrival order
         self.num_queued = 0
-
-    def can_add(self) -> bool:
-        return self.num_queued < self.max_queued
 
     def add(self, request: PendingRequest) -> None:
         self._groups.setdefault(request.batch_key, []).append(request)

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.adapter_registry import ServedAdapters
+from lmserve.rolling_batch.engine_shell import Outbox
 from lmserve.rolling_batch.out_of_memory import failure_status
 
-from .dynamic_batcher import PendingRequest, Send
+from .dynamic_batcher import PendingRequest
 from .hf_engine import HFEngine
 
 log = logging.getLogger("lmserve.engine")
@@ -39,7 +40,7 @@ class HFGenerateWork:
         # base model.
         return protocol.adapter_refusal(message.id, message.params.adapter, self.adapters)
 
-    def run(self, batch: list[PendingRequest], send: Send) -> int:
+    def run(self, batch: list[PendingRequest], outbox: Outbox) -> int:
         """Answers every request of `batch`; the sizes of the batches that ran, summed."""
         try:
             results = self.engine.generate(
@@ -47,14 +48,14 @@ class HFGenerateWork:
             )
         except Exception as error:  # noqa: BLE001 - any model failure answers, never crashes
             if len(batch) == 1:
-                self._fail(batch[0], error, send)
+                self._fail(batch[0], error, outbox)
                 return 0
             log.warning("batch of %d failed (%s); retrying one by one", len(batch), error)
             results = None
         if results is None:
             # Out of the except block: the failed batch's tensors, held by the traceback's
             # frames, are freed before the retries (after out of memory they need the room).
-            return sum(self.run([request], send) for request in batch)
+            return sum(self.run([request], outbox) for request in batch)
         for request, result in zip(batch, results):
             final = protocol.FinalEvent(
                 request.request_id,
@@ -67,13 +68,13 @@ class HFGenerateWork:
                 prompt_log_probs=result.prompt_log_probs,
                 prompt_top_logprobs=result.prompt_top_logprobs,
             )
-            send(request.reply_to, final)
+            outbox.send(request.reply_to, final)
         return len(batch)
 
-    def _fail(self, request: PendingRequest, error: Exception, send: Send) -> None:
+    def _fail(self, request: PendingRequest, error: Exception, outbox: Outbox) -> None:
         self.num_failed += 1
         log.error("request %s failed: %r", request.request_id, error)
-        send(
+        outbox.send(
             request.reply_to,
             protocol.ErrorEvent(
                 request.request_id, failure_status(error), f"{type(error).__name__}: {error}"

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 
 from lmserve.rolling_batch import protocol
+from lmserve.rolling_batch.engine_shell import Outbox
 
 from .custom_service import Answer, HandlerError, RawRequest, UserHandlerService
-from .dynamic_batcher import PendingRequest, Send
+from .dynamic_batcher import PendingRequest
 
 log = logging.getLogger("lmserve.engine")
 
@@ -31,36 +32,39 @@ class UserHandlerWork:
     def refusal(self, message: protocol.HandleRequest) -> None:
         return None  # the handler itself answers whatever it cannot serve
 
-    def run(self, batch: list[PendingRequest], send: Send) -> int:
+    def run(self, batch: list[PendingRequest], outbox: Outbox) -> int:
         raw = [RawRequest(r.message.body, r.message.headers) for r in batch]
         try:
             answers = self.service.answer(raw)
         except HandlerError as error:
             self.num_failed += len(batch)
             for request in batch:
-                send(request.reply_to, protocol.ErrorEvent(request.request_id, 424, str(error)))
+                refused = protocol.ErrorEvent(request.request_id, 424, str(error))
+                outbox.send(request.reply_to, refused)
             return 0
         for request, answer in zip(batch, answers):
-            self._relay(request, answer, send)
+            self._relay(request, answer, outbox)
         return len(batch)
 
-    def _relay(self, request: PendingRequest, answer: Answer, send: Send) -> None:
+    def _relay(self, request: PendingRequest, answer: Answer, outbox: Outbox) -> None:
         request_id = request.request_id
         if answer.stream is None:
             reply = protocol.ReplyEvent(request_id, answer.status, answer.headers, answer.body)
-            send(request.reply_to, reply)
+            outbox.send(request.reply_to, reply)
             return
-        send(
+        outbox.send(
             request.reply_to,
             protocol.ReplyEvent(request_id, answer.status, answer.headers, b"", True),
         )
+        outbox.flush()  # each piece goes out as the handler produces it
         try:
             for piece in answer.stream:
-                send(request.reply_to, protocol.ChunkEvent(request_id, piece))
+                outbox.send(request.reply_to, protocol.ChunkEvent(request_id, piece))
+                outbox.flush()
         except Exception as error:  # noqa: BLE001 - the handler's bug ends its stream only
             log.exception("%s: the stream of request %s raised", self.service.name, request_id)
             self.num_failed += 1
             message = f"{type(error).__name__}: {error}"
-            send(request.reply_to, protocol.ErrorEvent(request_id, 424, message))
+            outbox.send(request.reply_to, protocol.ErrorEvent(request_id, 424, message))
             return
-        send(request.reply_to, protocol.ChunkEvent(request_id, b"", last=True))
+        outbox.send(request.reply_to, protocol.ChunkEvent(request_id, b"", last=True))

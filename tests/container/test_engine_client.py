@@ -11,6 +11,7 @@ import time
 
 import pytest
 import zmq
+from msgspec.msgpack import encode as pack
 
 from lmserve.container.engine_client import _REFRESH_ID, EngineClient
 from lmserve.properties.config import load_config
@@ -45,10 +46,10 @@ def test_batched_events_reach_each_request_and_bad_frames_are_dropped(runtime, e
         second = client.submit(protocol.StatsRequest("b"))
         identity, _ = receive(engine)
         engine.send_multipart([identity, b"\xc1 not msgpack"])
-        engine.send_multipart([identity, protocol.pack({"kind": "batch", "events": 3})])
+        engine.send_multipart([identity, pack({"kind": "batch", "events": 3})])
         bad_token = {"kind": "token", "id": "a", "token_ids": ["x"], "log_probs": []}
-        engine.send_multipart([identity, protocol.pack(bad_token)])
-        engine.send_multipart([identity, protocol.pack({"kind": "teleport", "id": "a"})])
+        engine.send_multipart([identity, pack(bad_token)])
+        engine.send_multipart([identity, pack({"kind": "teleport", "id": "a"})])
         batch = protocol.BatchEvent(
             [protocol.TokenEvent(request_id, [1], [-0.5]) for request_id in ("a", "gone", "b")]
         )

@@ -19,7 +19,7 @@ def ids(batch: list[PendingRequest]) -> list[str]:
 
 
 def test_a_full_batch_is_due_at_once():
-    batcher = DynamicBatcher(batch_size=2, max_batch_delay_s=0.1, max_queued=10)
+    batcher = DynamicBatcher(batch_size=2, max_batch_delay_s=0.1)
     batcher.add(request("a", 0.0))
     assert batcher.next_batch(0.0) == []
     batcher.add(request("b", 0.01))
@@ -30,7 +30,7 @@ def test_a_full_batch_is_due_at_once():
 
 
 def test_a_partial_batch_waits_for_max_batch_delay():
-    batcher = DynamicBatcher(batch_size=4, max_batch_delay_s=0.1, max_queued=10)
+    batcher = DynamicBatcher(batch_size=4, max_batch_delay_s=0.1)
     batcher.add(request("a", 0.0))
     batcher.add(request("b", 0.05))
     assert abs(batcher.seconds_until_due(0.05) - 0.05) < 1e-9
@@ -39,7 +39,7 @@ def test_a_partial_batch_waits_for_max_batch_delay():
 
 
 def test_batches_never_exceed_batch_size_and_keep_arrival_order():
-    batcher = DynamicBatcher(batch_size=3, max_batch_delay_s=0.1, max_queued=10)
+    batcher = DynamicBatcher(batch_size=3, max_batch_delay_s=0.1)
     for index in range(7):
         batcher.add(request(str(index), index * 0.001))
     assert ids(batcher.next_batch(0.01)) == ["0", "1", "2"]
@@ -49,7 +49,7 @@ def test_batches_never_exceed_batch_size_and_keep_arrival_order():
 
 
 def test_different_parameters_are_grouped_not_mixed():
-    batcher = DynamicBatcher(batch_size=4, max_batch_delay_s=0.1, max_queued=10)
+    batcher = DynamicBatcher(batch_size=4, max_batch_delay_s=0.1)
     batcher.add(request("g1", 0.0))
     batcher.add(request("s1", 0.01, SAMPLED))
     batcher.add(request("g2", 0.02, GenerationParams(max_new_tokens=99)))  # length may differ
@@ -70,20 +70,20 @@ def test_greedy_requests_batch_together_whatever_their_sampling_knobs():
     )
 
 
-def test_queue_limit_and_removal():
-    batcher = DynamicBatcher(batch_size=4, max_batch_delay_s=0.1, max_queued=2)
+def test_queue_count_and_removal():
+    batcher = DynamicBatcher(batch_size=4, max_batch_delay_s=0.1)
     batcher.add(request("a", 0.0))
     batcher.add(request("b", 0.0))
-    assert not batcher.can_add()
+    assert batcher.num_queued == 2
     assert batcher.remove("a").request_id == "a"
     assert batcher.remove("a") is None
-    assert batcher.can_add()
+    assert batcher.num_queued == 1
     assert ids(batcher.next_batch(1.0)) == ["b"]
     assert batcher.remove("b") is None
 
 
 def test_requests_waiting_too_long_are_taken_out():
-    batcher = DynamicBatcher(batch_size=4, max_batch_delay_s=10.0, max_queued=10)
+    batcher = DynamicBatcher(batch_size=4, max_batch_delay_s=10.0)
     batcher.add(request("old", 0.0))
     batcher.add(request("sampled", 0.5, SAMPLED))
     batcher.add(request("new", 5.0))

@@ -21,7 +21,7 @@ from lmserve.handlers.python_engine.custom_service import UserHandlerService
 from lmserve.handlers.python_engine.hf_engine import Generation
 from lmserve.handlers.python_engine.hf_work import HFGenerateWork
 from lmserve.handlers.python_engine.user_handler_work import UserHandlerWork
-from lmserve.handlers.python_engine.worker import PythonEngineLoop
+from lmserve.handlers.python_engine.worker import python_engine_shell
 from lmserve.handlers.user_code import find_entry_point, load
 from lmserve.properties.config import load_config
 from lmserve.rolling_batch import protocol
@@ -52,7 +52,7 @@ def engine(tmp_path, work, **env):
     router.bind(address)
     dealer.connect(address)
     try:
-        yield PythonEngineLoop(runtime, work, router), dealer
+        yield python_engine_shell(runtime, work, router), dealer
     finally:
         router.close(linger=0)
         dealer.close(linger=0)
@@ -81,9 +81,10 @@ def exchange(loop, dealer, frames: list[bytes], expected_events: int) -> list:
     counting = CountingSocket(loop.socket)
     while counting.received < len(frames):  # every frame sent has reached the engine
         assert loop.socket.poll(60_000), f"{counting.received} of {len(frames)} frames arrived"
-        drain_router(counting, loop._handle)
-    for batch in iter(lambda: loop.batcher.next_batch(time.monotonic() + 60), []):
-        loop.run_batch(batch)
+        drain_router(counting, loop.handle)
+    for batch in iter(lambda: loop.core.batcher.next_batch(time.monotonic() + 60), []):
+        loop.core.run_batch(batch, loop.outbox)
+        loop.outbox.flush()
     events = []
     while len(events) < expected_events and dealer.poll(60_000):
         events += protocol.decode_events(dealer.recv())
@@ -96,8 +97,8 @@ def test_malformed_requests_are_answered_with_errors_and_the_engine_goes_on(tmp_
         good = protocol.GenerateRequest("ok", [7], protocol.GenerationParams(max_new_tokens=2))
         frames = [
             b"\xc1 not msgpack",
-            protocol.pack(bad),
-            protocol.pack({"op": "teleport", "id": "z"}),
+            msgspec.msgpack.encode(bad),
+            msgspec.msgpack.encode({"op": "teleport", "id": "z"}),
             protocol.encode(good),
         ]
         events = exchange(loop, dealer, frames, expected_events=3)
@@ -150,7 +151,7 @@ def test_out_of_memory_fails_the_request_that_cannot_fit_and_the_engine_goes_on(
     assert "can't allocate memory" in failed.message
     assert [len(e.token_ids) for e in events if e.id in ("a", "b", "later")] == [2, 3, 4]
     assert model.batch_sizes == [3, 1, 1, 1, 1]
-    assert loop.work.num_failed == 1
+    assert loop.core.work.num_failed == 1
 
 
 class ForeignRequest(msgspec.Struct, frozen=True):
@@ -162,8 +163,8 @@ class ForeignRequest(msgspec.Struct, frozen=True):
 def test_a_request_of_a_kind_the_engine_does_not_take_is_answered(tmp_path):
     sent = []
     with engine(tmp_path, HFGenerateWork(ScriptedModel())) as (loop, _):
-        loop._send = lambda identity, event: sent.append((identity, event))
-        loop._handle(b"front", ForeignRequest("f"))
+        loop.outbox.send = lambda identity, event: sent.append((identity, event))
+        loop.handle(b"front", ForeignRequest("f"))
     ((identity, refused),) = sent
     assert identity == b"front" and (refused.id, refused.status) == ("f", 501)
     assert "ForeignRequest" in refused.message
@@ -206,7 +207,7 @@ def test_user_handler_batches_raw_requests_and_answers_each(tmp_path, handler_wo
         frames = [handle_request("a", "one"), handle_request("b", "two")]
         events = exchange(loop, dealer, frames, expected_events=2)
     assert [(e.id, e.status, e.body) for e in events] == [("a", 200, b"ONE"), ("b", 200, b"TWO")]
-    assert loop.batch_sizes == {2: 1}
+    assert loop.core.batch_sizes == {2: 1}
 
 
 def test_user_handler_stream_and_errors(tmp_path, handler_work):
@@ -228,4 +229,4 @@ def test_user_handler_stream_and_errors(tmp_path, handler_work):
     assert (failed.status, failed.message) == (424, "RuntimeError: the handler blew up")
     (refused,) = by_id["g"]
     assert refused.status == 500 and "HandleRequest" in refused.message
-    assert loop.work.num_failed == 1
+    assert loop.core.work.num_failed == 1

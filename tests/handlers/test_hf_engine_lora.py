@@ -16,7 +16,7 @@ import torch
 from lmserve.handlers.python_engine.hf_engine import HFEngine
 from lmserve.handlers.python_engine.hf_lora import adaptable_linears
 from lmserve.handlers.python_engine.hf_work import HFGenerateWork
-from lmserve.handlers.python_engine.worker import PythonEngineLoop, load_hf_work
+from lmserve.handlers.python_engine.worker import load_hf_work, python_engine_shell
 from lmserve.properties.config import load_config
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.lora_adapters import linear_shapes
@@ -112,12 +112,13 @@ def run_requests(engine, requests) -> tuple[dict, int]:
     """({request id: its one event}, how many requests were queued) after the engine=Python
     loop took `requests` and ran every batch they made."""
     runtime = runtime_for("/nowhere", {})
-    loop = PythonEngineLoop(runtime, HFGenerateWork(engine), RecordingSocket())
+    loop = python_engine_shell(runtime, HFGenerateWork(engine), RecordingSocket())
     for request in requests:
-        loop._handle(b"front", request)
-    num_queued = loop.batcher.num_queued
-    while batch := loop.batcher.next_batch(float("inf")):
-        loop.run_batch(batch)
+        loop.handle(b"front", request)
+    num_queued = loop.core.batcher.num_queued
+    while batch := loop.core.batcher.next_batch(float("inf")):
+        loop.core.run_batch(batch, loop.outbox)
+        loop.outbox.flush()
     events = {event.id: event for event in loop.socket.events}
     assert len(events) == len(loop.socket.events) == len(requests)  # one answer each
     return events, num_queued

@@ -17,8 +17,9 @@ from peft import PeftModel
 from lmserve.handlers.python_engine.hf_engine import HFEngine
 from lmserve.handlers.python_engine.hf_lora import adaptable_linears
 from lmserve.handlers.python_engine.hf_work import HFGenerateWork
-from lmserve.handlers.python_engine.worker import PythonEngineLoop
+from lmserve.handlers.python_engine.worker import python_engine_shell
 from lmserve.rolling_batch import protocol
+from lmserve.rolling_batch.engine_shell import EngineShell
 from lmserve.rolling_batch.lora_adapters import linear_shapes
 from lmserve.rolling_batch.model_loader import load_hf_config
 
@@ -69,29 +70,31 @@ def engine(model_dir):
     return HFEngine.load(str(model_dir), "fp32", enable_lora=True)
 
 
-def loop_for(engine) -> PythonEngineLoop:
-    return PythonEngineLoop(runtime_for("/nowhere", {}), HFGenerateWork(engine), RecordingSocket())
+def loop_for(engine) -> EngineShell:
+    runtime = runtime_for("/nowhere", {})
+    return python_engine_shell(runtime, HFGenerateWork(engine), RecordingSocket())
 
 
 def ask(loop, action: str, **fields):
     """The loop's one answer to an adapter management command."""
     loop.socket.events.clear()
-    loop._handle(b"front", protocol.AdapterCommand(f"cmd-{action}", action, **fields))
+    loop.handle(b"front", protocol.AdapterCommand(f"cmd-{action}", action, **fields))
     (answer,) = loop.socket.events
     return answer
 
 
 def run_all(loop) -> dict:
     """Runs every queued batch; {request id: its answer} of everything sent meanwhile."""
-    while batch := loop.batcher.next_batch(float("inf")):
-        loop.run_batch(batch)
+    while batch := loop.core.batcher.next_batch(float("inf")):
+        loop.core.run_batch(batch, loop.outbox)
+        loop.outbox.flush()
     loop.retire_unused_adapters()
     return {event.id: event for event in loop.socket.events}
 
 
 def send_generate(loop, request_id: str, ids, adapter):
     loop.socket.events.clear()
-    loop._handle(b"front", generate(request_id, ids, adapter))
+    loop.handle(b"front", generate(request_id, ids, adapter))
 
 
 def assert_error(event, status: int, *parts: str):
@@ -142,12 +145,12 @@ def test_an_unregistered_adapter_stays_until_its_queued_requests_leave(
         assert ask(loop, "unregister", name=name).adapters[0]["name"] == name
         send_generate(loop, f"new-{name}", prompt_ids, name)
         assert_error(loop.socket.events[0], 404, repr(name))  # refused at once, never queued
-    assert loop.batcher.num_queued == 3
+    assert loop.core.batcher.num_queued == 3
     assert [a["name"] for a in ask(loop, "list").adapters] == ["everything"]
     loop.retire_unused_adapters()
     assert {"attn", "mlp-rs"} <= set(engine.adapters)  # queued requests name them
 
-    loop._handle(b"front", protocol.AbortRequest("aborted"))
+    loop.handle(b"front", protocol.AbortRequest("aborted"))
     loop.retire_unused_adapters()
     assert "mlp-rs" in engine.adapters  # "expires" is still queued
     loop.expire_waiting(boundary + loop.slot_timeout_s)
@@ -207,7 +210,7 @@ def test_requests_and_tokens_are_counted_per_adapter(engine, prompt_ids):
     loop = loop_for(engine)
     requests = [("a", "attn"), ("b", "attn"), ("c", "mlp-rs"), ("d", None), ("e", "nope")]
     for request_id, adapter in requests:
-        loop._handle(b"front", generate(request_id, prompt_ids, adapter))
+        loop.handle(b"front", generate(request_id, prompt_ids, adapter))
     stats = loop.stats()
     assert stats["adapter_requests"] == {"attn": 2, "mlp-rs": 1}  # admitted: not "nope"
     assert stats["adapter_tokens"] == {}
@@ -241,7 +244,7 @@ class ModelPyWork:
 
 
 def test_a_model_py_takes_no_adapter_commands():
-    loop = PythonEngineLoop(runtime_for("/nowhere", {}), ModelPyWork(), RecordingSocket())
+    loop = python_engine_shell(runtime_for("/nowhere", {}), ModelPyWork(), RecordingSocket())
     assert_error(ask(loop, "list"), 501, "AdapterCommand")
     loop.retire_unused_adapters()  # nothing to retire, and no LoRA to ask
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lmserve.rolling_batch.offline_generation import generate_greedy
+from lmserve.rolling_batch import protocol
+from lmserve.rolling_batch.llm import LocalEngine, engine_config
 
 from ..conftest import save_tiny_llama
 from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
@@ -55,17 +56,21 @@ def test_greedy_tokens_equal_hf_generate(model_dir, hf_model, block_size, paged)
     most 8 tokens beside the others' decodes."""
     runner = cuda_runner(model_dir, block_size, paged)
     prompts = list(PROMPTS.values())
-    served = generate_greedy(
-        runner.execute,
-        runner.num_blocks,
-        runner.block_size,
-        MAX_MODEL_LEN,
-        len(prompts),
-        prompts,
-        MAX_NEW_TOKENS,
-        eos_token_ids={hf_model.config.eos_token_id},
-        prefill_token_budget=8,
+    config = engine_config(
+        {
+            "max_model_len": MAX_MODEL_LEN,
+            "paged_attention": paged,
+            "max_rolling_batch_size": len(prompts),
+            "max_rolling_batch_prefill_tokens": 8,
+        }
     )
+    eos = {hf_model.config.eos_token_id}
+    engine = LocalEngine.for_runner(config, model_dir, runner, MAX_MODEL_LEN, eos)
+    params = protocol.GenerationParams(max_new_tokens=MAX_NEW_TOKENS)
+    answers = engine.run(
+        [protocol.GenerateRequest(str(i), p, params, stream=False) for i, p in enumerate(prompts)]
+    )
+    served = [answers[str(i)].token_ids for i in range(len(prompts))]
     for prompt, tokens in zip(prompts, served, strict=True):
         expected, logits = hf_greedy_alone(hf_model, prompt, MAX_NEW_TOKENS)
         assert_same_or_near_tie(tokens, expected, logits)

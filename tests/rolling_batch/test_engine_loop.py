@@ -16,14 +16,15 @@ import uuid
 import pytest
 import torch
 import zmq
+from msgspec.msgpack import encode as pack
 
-from lmserve.rolling_batch import engine_loop, protocol
+from lmserve.rolling_batch import protocol, rolling_core
 from lmserve.rolling_batch.block_manager import BlockManager
-from lmserve.rolling_batch.engine_loop import RollingEngine
+from lmserve.rolling_batch.engine_shell import EngineShell
 from lmserve.rolling_batch.engine_stats import PHASES, PhaseTimer, StepProfile, StepTrace
-from lmserve.rolling_batch.ipc import drain_router
 from lmserve.rolling_batch.model_runner import PromptScores, StepLogits
 from lmserve.rolling_batch.protocol import GenerationParams
+from lmserve.rolling_batch.rolling_core import RollingBatchCore
 from lmserve.rolling_batch.sampler import Sampler
 from lmserve.rolling_batch.scheduler import Scheduler
 from lmserve.rolling_batch.speculation import NgramDrafter
@@ -74,11 +75,19 @@ def sockets():
         socket.close(linger=0)
 
 
-def make_engine(router, drafter=None, argmax_head=False) -> RollingEngine:
+def rolling_engine(execute, scheduler, router, slot_timeout_s=None, world_size=1) -> EngineShell:
+    """The engine shell around the rolling batch, EOS token 0, at most 100 requests waiting."""
+    core = RollingBatchCore(
+        execute, scheduler, Sampler(torch.device("cpu")), {0}, world_size=world_size
+    )
+    return EngineShell(core, router, 100, slot_timeout_s)
+
+
+def make_engine(router, drafter=None, argmax_head=False) -> EngineShell:
     scheduler = Scheduler(
         BlockManager(64, 16), 8, 256, 512, drafter=drafter, argmax_head=argmax_head
     )
-    return RollingEngine(fake_execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100)
+    return rolling_engine(fake_execute, scheduler, router)
 
 
 def receive_frames(dealer: zmq.Socket) -> list[list[protocol.Event]]:
@@ -92,10 +101,10 @@ def receive_all(dealer: zmq.Socket) -> list[protocol.Event]:
     return [event for frame in receive_frames(dealer) for event in frame]
 
 
-def run_until_idle(engine: RollingEngine) -> None:
-    drain_router(engine.socket, engine._handle)
-    while engine.scheduler.has_work():
-        engine.step()
+def run_until_idle(engine: EngineShell) -> None:
+    engine.read_socket()
+    while engine.core.scheduler.has_work():
+        engine.turn()
 
 
 def submit(
@@ -132,7 +141,7 @@ def test_every_request_gets_its_tokens_and_one_final_event(sockets):
     # One frame per step for each worker: 4 steps for a and b together, 5 for c.
     assert [len(frame) for frame in frames[first]] == [2, 2, 2, 1]
     assert [len(frame) for frame in frames[second]] == [1] * 5
-    engine.scheduler.check_invariants()
+    engine.core.scheduler.check_invariants()
 
 
 def test_requests_without_log_probs_take_tokens_picked_without_logits(sockets):
@@ -152,7 +161,7 @@ def test_requests_without_log_probs_take_tokens_picked_without_logits(sockets):
     detailed = [p for e in events if e.id == "detailed" for p in e.log_probs]
     assert len(bare) == 4 and all(math.isnan(p) for p in bare)
     assert len(detailed) == 3 and all(p <= 0.0 for p in detailed)
-    engine.scheduler.check_invariants()
+    engine.core.scheduler.check_invariants()
 
 
 def test_a_request_that_is_not_streamed_gets_one_final_event_with_every_token(sockets):
@@ -169,7 +178,7 @@ def test_a_request_that_is_not_streamed_gets_one_final_event_with_every_token(so
     assert quiet[0].token_ids == [7, 8, 9, 10] and len(quiet[0].log_probs) == 4
     loud = [type(e) for e in events if e.id == "loud"]
     assert loud == [protocol.TokenEvent, protocol.FinalEvent]
-    assert not engine._unstreamed
+    assert not engine.core._unstreamed
 
 
 def test_steps_are_profiled_by_phase(sockets):
@@ -179,7 +188,7 @@ def test_steps_are_profiled_by_phase(sockets):
     submit(dealer, "a", [1, 2, 3], 6)
     wait_for_messages(router)
     run_until_idle(engine)
-    stats = engine.snapshot()
+    stats = engine.stats()
     assert stats["num_steps"] == 6
     assert stats["step_seconds"]["count"] == 6 and stats["step_forward_seconds"]["count"] == 6
     assert stats["step_sequences"] == 6
@@ -199,7 +208,7 @@ def test_a_step_trace_holds_each_steps_chunks_and_phases(sockets, tmp_path):
     router, connect = sockets
     path = tmp_path / "steps.jsonl"
     engine = make_engine(router, argmax_head=True)
-    engine.step_trace = StepTrace(str(path))
+    engine.core.step_trace = StepTrace(str(path))
     dealer = connect()
     submit(dealer, "a", [1, 2, 3], 3, log_probs=False)
     wait_for_messages(router)
@@ -229,7 +238,7 @@ def test_a_step_trace_that_cannot_be_written_is_refused_by_name(tmp_path):
 def test_profile_log_line_comes_once_a_window_is_long_enough(sockets, caplog, monkeypatch):
     router, connect = sockets
     engine = make_engine(router)
-    monkeypatch.setattr(engine_loop, "_PROFILE_LOG_S", 0.0)
+    monkeypatch.setattr(rolling_core, "_PROFILE_LOG_S", 0.0)
     dealer = connect()
     submit(dealer, "a", [1, 2, 3], 2)
     wait_for_messages(router)
@@ -259,17 +268,17 @@ def test_a_failing_sampler_fails_the_step_requests_and_the_engine_goes_on(socket
     dealer = connect()
     submit(dealer, "a", [1, 2], 3)
     wait_for_messages(router)
-    real_sample = engine.sampler.sample
-    engine.sampler.sample = lambda *args: 1 / 0
+    real_sample = engine.core.sampler.sample
+    engine.core.sampler.sample = lambda *args: 1 / 0
     run_until_idle(engine)
     (error,) = receive_all(dealer)
     assert isinstance(error, protocol.ErrorEvent) and error.id == "a"
-    engine.sampler.sample = real_sample
+    engine.core.sampler.sample = real_sample
     submit(dealer, "b", [1, 2], 3)
     wait_for_messages(router)
     run_until_idle(engine)
     assert isinstance(receive_all(dealer)[-1], protocol.FinalEvent)
-    engine.scheduler.check_invariants()
+    engine.core.scheduler.check_invariants()
 
 
 def test_malformed_requests_are_answered_with_errors_and_the_engine_goes_on(sockets, caplog):
@@ -278,11 +287,11 @@ def test_malformed_requests_are_answered_with_errors_and_the_engine_goes_on(sock
     dealer = connect()
     params = {"max_new_tokens": 3, "ignore_eos": True}
     dealer.send(b"\xc1 not msgpack")
-    dealer.send(protocol.pack({"op": "generate", "id": "x", "prompt_ids": ["one"], "params": {}}))
-    dealer.send(protocol.pack({"op": "generate", "id": "y", "prompt_ids": [1], "params": "?"}))
-    dealer.send(protocol.pack({"op": "teleport", "id": "z"}))
-    dealer.send(protocol.pack([1, 2, 3]))
-    dealer.send(protocol.pack({"op": "generate", "id": "ok", "prompt_ids": [1], "params": params}))
+    dealer.send(pack({"op": "generate", "id": "x", "prompt_ids": ["one"], "params": {}}))
+    dealer.send(pack({"op": "generate", "id": "y", "prompt_ids": [1], "params": "?"}))
+    dealer.send(pack({"op": "teleport", "id": "z"}))
+    dealer.send(pack([1, 2, 3]))
+    dealer.send(pack({"op": "generate", "id": "ok", "prompt_ids": [1], "params": params}))
     wait_for_messages(router)
     with caplog.at_level(logging.ERROR):
         run_until_idle(engine)
@@ -293,7 +302,7 @@ def test_malformed_requests_are_answered_with_errors_and_the_engine_goes_on(sock
     assert [e.token_ids for e in events if e.id == "ok"] == [[2], [3], [4]]
     assert isinstance(events[-1], protocol.FinalEvent)
     assert sum("malformed IPC message" in r.getMessage() for r in caplog.records) == 5
-    engine.scheduler.check_invariants()
+    engine.core.scheduler.check_invariants()
 
 
 def test_a_request_that_waits_past_predict_timeout_for_a_place_is_answered(sockets):
@@ -301,17 +310,15 @@ def test_a_request_that_waits_past_predict_timeout_for_a_place_is_answered(socke
     under way: one running request outlives the timeout, one still waiting gets a 503."""
     router, connect = sockets
     scheduler = Scheduler(BlockManager(64, 16), 1, 256, 512)  # one request runs at a time
-    engine = RollingEngine(
-        fake_execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100, slot_timeout_s=5
-    )
+    engine = rolling_engine(fake_execute, scheduler, router, slot_timeout_s=5)
     dealer = connect()
     submit(dealer, "running", [5], 50)
     submit(dealer, "waiting", [6], 2)
     wait_for_messages(router)
-    drain_router(engine.socket, engine._handle)
-    engine.step()  # "running" starts; "waiting" has no place
+    engine.read_socket()
+    engine.turn()  # "running" starts; "waiting" has no place
     later = time.monotonic() + 6
-    engine._expire_waiting(later)
+    engine.expire_waiting(later)
     run_until_idle(engine)
     events = receive_all(dealer)
     (refused,) = [e for e in events if e.id == "waiting"]
@@ -319,8 +326,8 @@ def test_a_request_that_waits_past_predict_timeout_for_a_place_is_answered(socke
     assert "option.predict_timeout" in refused.message
     finals = [e for e in events if e.id == "running" and isinstance(e, protocol.FinalEvent)]
     assert len(finals) == 1 and len([e for e in events if e.id == "running"]) == 50
-    engine.scheduler.check_invariants()
-    assert engine.scheduler.blocks.num_free == 64
+    engine.core.scheduler.check_invariants()
+    assert engine.core.scheduler.blocks.num_free == 64
 
 
 def test_out_of_memory_in_a_step_is_507_and_the_engine_goes_on(sockets):
@@ -334,7 +341,7 @@ def test_out_of_memory_in_a_step_is_507_and_the_engine_goes_on(sockets):
         return fake_execute(chunks)
 
     scheduler = Scheduler(BlockManager(64, 16), 8, 256, 512)
-    engine = RollingEngine(execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100)
+    engine = rolling_engine(execute, scheduler, router)
     dealer = connect()
     submit(dealer, "big", [5, 6], 2)
     wait_for_messages(router)
@@ -347,7 +354,7 @@ def test_out_of_memory_in_a_step_is_507_and_the_engine_goes_on(sockets):
     assert isinstance(failed, protocol.ErrorEvent) and failed.status == 507
     assert "out of memory" in failed.message
     assert [type(e) for e in events if e.id == "after"][-1] is protocol.FinalEvent
-    assert engine.scheduler.blocks.num_free == 64
+    assert engine.core.scheduler.blocks.num_free == 64
 
 
 def run_out_of_memory() -> None:
@@ -382,13 +389,13 @@ def test_out_of_memory_fails_the_largest_chunk_alone_and_the_others_go_on(socket
         return fake_execute(chunks)
 
     scheduler = Scheduler(BlockManager(64, 16), 8, 256, 512)
-    engine = RollingEngine(execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100)
+    engine = rolling_engine(execute, scheduler, router)
     dealer = connect()
     submit(dealer, "a", [5, 6], 4)
     submit(dealer, "b", [10], 3)
     wait_for_messages(router)
-    drain_router(engine.socket, engine._handle)
-    engine.step()  # a and b prefill: 3 tokens
+    engine.read_socket()
+    engine.turn()  # a and b prefill: 3 tokens
     submit(dealer, "long", list(range(1, 51)), 2)
     wait_for_messages(router)
     run_until_idle(engine)  # long's 50 tokens beside two decodes: out of memory
@@ -401,9 +408,9 @@ def test_out_of_memory_fails_the_largest_chunk_alone_and_the_others_go_on(socket
     assert tokens == {"a": [7, 8, 9, 10], "b": [11, 12, 13], "after": [8, 9]}
     (failed,) = [e for e in events if e.id == "long"]
     assert "out of memory" in failed.message and "50 tokens" in failed.message
-    assert engine.stats.finished["error"] == 1
-    engine.scheduler.check_invariants()
-    assert engine.scheduler.blocks.num_free == 64
+    assert engine.core.metrics.finished["error"] == 1
+    engine.core.scheduler.check_invariants()
+    assert engine.core.scheduler.blocks.num_free == 64
 
 
 def test_out_of_memory_among_equal_chunks_fails_the_newest(sockets):
@@ -415,7 +422,7 @@ def test_out_of_memory_among_equal_chunks_fails_the_newest(sockets):
         return fake_execute(chunks)
 
     scheduler = Scheduler(BlockManager(64, 16), 8, 256, 512)
-    engine = RollingEngine(execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100)
+    engine = rolling_engine(execute, scheduler, router)
     dealer = connect()
     for name, token in (("first", 1), ("second", 2), ("third", 3)):
         submit(dealer, name, [token], 2)
@@ -424,7 +431,7 @@ def test_out_of_memory_among_equal_chunks_fails_the_newest(sockets):
     tokens, endings = tokens_and_endings(receive_all(dealer))
     assert endings == {"first": "length", "second": "length", "third": 507}
     assert tokens == {"first": [2, 3], "second": [3, 4]}
-    engine.scheduler.check_invariants()
+    engine.core.scheduler.check_invariants()
 
 
 def test_out_of_memory_with_several_ranks_ends_the_job(sockets):
@@ -435,15 +442,13 @@ def test_out_of_memory_with_several_ranks_ends_the_job(sockets):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     scheduler = Scheduler(BlockManager(64, 16), 8, 256, 512)
-    engine = RollingEngine(
-        execute, scheduler, Sampler(torch.device("cpu")), router, {0}, 100, world_size=2
-    )
+    engine = rolling_engine(execute, scheduler, router, world_size=2)
     dealer = connect()
     submit(dealer, "a", [1], 2)
     wait_for_messages(router)
-    drain_router(engine.socket, engine._handle)
+    engine.read_socket()
     with pytest.raises(torch.OutOfMemoryError):
-        engine.step()
+        engine.turn()
 
 
 def python_out_of_memory() -> None:
@@ -458,14 +463,14 @@ def test_out_of_memory_while_sampling_fails_that_request_with_507(sockets, run_o
     any batch holding "big"); every row is then sampled alone, and only "big" fails."""
     router, connect = sockets
     engine = make_engine(router)
-    sample_batch = engine.sampler._sample_batch
+    sample_batch = engine.core.sampler._sample_batch
 
     def sample_rows(logits, requests):
         if any(request.request_id == "big" for request in requests):
             run_out()
         return sample_batch(logits, requests)
 
-    engine.sampler._sample_batch = sample_rows
+    engine.core.sampler._sample_batch = sample_rows
     dealer = connect()
     submit(dealer, "a", [5], 3)
     submit(dealer, "big", [6], 3, top_logprobs=20)
@@ -478,7 +483,7 @@ def test_out_of_memory_while_sampling_fails_that_request_with_507(sockets, run_o
     assert tokens == {"a": [6, 7, 8], "b": [8, 9, 10]}
     (failed,) = [e for e in events if e.id == "big"]
     assert failed.message.startswith("sampling failed")
-    engine.scheduler.check_invariants()
+    engine.core.scheduler.check_invariants()
 
 
 def test_log_probs_asked_for_come_with_the_tokens_and_the_first_event(sockets):
@@ -534,8 +539,8 @@ def test_kept_drafts_reach_the_client_as_several_tokens_a_step(sockets):
     (quiet,) = [e for e in events if e.id == "quiet"]
     assert quiet.token_ids == list(range(12, 24)) and len(quiet.log_probs) == 12
     assert len([t for e in events if e.id == "sampled" for t in e.token_ids]) == 5
-    stats = engine.snapshot()
+    stats = engine.stats()
     assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
     assert stats["tokens_generated"] == 12 + 12 + 5
     assert stats["num_steps"] < 12
-    engine.scheduler.check_invariants()
+    engine.core.scheduler.check_invariants()

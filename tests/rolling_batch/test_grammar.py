@@ -21,12 +21,12 @@ from lmserve.handlers.structured_output import json_schema_grammar, tgi_grammar
 from lmserve.handlers.tokenizer import Tokenizer
 from lmserve.rolling_batch import protocol
 from lmserve.rolling_batch.block_manager import BlockManager
-from lmserve.rolling_batch.engine_loop import RollingEngine
+from lmserve.rolling_batch.engine_shell import EngineShell
 from lmserve.rolling_batch.grammar import GrammarCompiler, GrammarError
-from lmserve.rolling_batch.ipc import drain_router
 from lmserve.rolling_batch.model_runner import StepLogits
 from lmserve.rolling_batch.protocol import GenerationParams
 from lmserve.rolling_batch.request import Request
+from lmserve.rolling_batch.rolling_core import RollingBatchCore
 from lmserve.rolling_batch.sampler import Sampler
 from lmserve.rolling_batch.scheduler import Scheduler
 from lmserve.rolling_batch.speculation import NgramDrafter
@@ -143,15 +143,14 @@ def engine_socket():
     dealer.close(linger=0)
 
 
-def run_engine(engine: RollingEngine, dealer, count: int) -> dict[str, protocol.Event]:
+def run_engine(engine: EngineShell, dealer, count: int) -> dict[str, protocol.Event]:
     """Steps the engine (grammars build in the background) until `count` final answers."""
     finals: dict[str, protocol.Event] = {}
     tokens: dict[str, list[int]] = {}
     deadline = time.monotonic() + 60  # a hang guard only
     while len(finals) < count and time.monotonic() < deadline:
-        drain_router(engine.socket, engine._handle)
-        engine._admit_built()
-        engine.step()
+        engine.read_socket()
+        engine.turn()
         while dealer.poll(0):
             for event in protocol.decode_events(dealer.recv()):
                 tokens.setdefault(event.id, []).extend(getattr(event, "token_ids", []))
@@ -166,10 +165,10 @@ def run_engine(engine: RollingEngine, dealer, count: int) -> dict[str, protocol.
 def answers(compiler, tokenizer, engine_socket, drafter) -> dict[str, protocol.Event]:
     router, dealer = engine_socket
     scheduler = Scheduler(BlockManager(64, 16), 8, 256, 512, drafter=drafter, argmax_head=True)
-    engine = RollingEngine(
-        fake_execute, scheduler, Sampler(torch.device("cpu")), router, {EOS}, 100,
-        grammars=compiler,
-    )  # fmt: skip
+    core = RollingBatchCore(
+        fake_execute, scheduler, Sampler(torch.device("cpu")), {EOS}, grammars=compiler
+    )
+    engine = EngineShell(core, router, 100)
     # A prompt that repeats itself: the drafter proposes its n-grams, "-" where a digit must be.
     prompt = tokenizer.encode("000-0000 000-0000 000-0000", add_special_tokens=False)
     for request_id, grammar in (("phone", regex_grammar(PHONE)), ("free", None)):

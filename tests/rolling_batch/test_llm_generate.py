@@ -71,8 +71,8 @@ def test_speculative_decoding_gives_the_same_tokens_in_fewer_steps(tp1_results):
             cache_dir=TEST_CACHE_DIR,
             speculative_draft_model=drafts,
         ) as llm:
-            runner, calls = llm._engine.runner, []
-            runner.execute = _counting(runner.execute, calls)
+            core, calls = llm._engine.shell.core, []
+            core.execute = _counting(core.execute, calls)
             speculated = llm.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
             sequence_steps[drafts] = sum(calls)
         assert [r.token_ids for r in speculated] == [r.token_ids for r in results]

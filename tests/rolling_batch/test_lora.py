@@ -177,26 +177,19 @@ def test_adapter_for_another_model_is_refused(lora_model_dir, smollm2_dir, tmp_p
 def test_slots_are_reused_without_leftovers(lora_model_dir):
     """An adapter put in a slot another held before sees none of the other's weights: the
     one-slot engine serving adapters in turn gives each its own tokens."""
-    from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
-    from lmserve.rolling_batch.offline_generation import generate_greedy
-
-    options = RuntimeOptions(
-        dtype="fp32", max_model_len=128, enable_lora=True, max_loras=1, max_cpu_loras=1
-    )
-    runner, _, max_len = build_runner(lora_model_dir, options, TensorParallelGroup())
     prompt = [1, 504, 3458, 282, 4649, 314]
+    options = {"max_loras": 1, "max_cpu_loras": 1}
+    with LLM(lora_model_dir, dtype="fp32", max_model_len=128, enable_lora=True, **options) as llm:
 
-    def generate(adapter):
-        return generate_greedy(
-            runner.execute, runner.num_blocks, runner.block_size, max_len, 4, [prompt], 8,
-            set(), adapters=[adapter], lora=runner.lora,
-        )[0]  # fmt: skip
+        def generate(adapter):
+            return llm.generate([prompt], 8, ignore_eos=True, adapters=adapter)[0].token_ids
 
-    first = {name: generate(name) for name in TINY_ADAPTERS}
-    again = {name: generate(name) for name in reversed(TINY_ADAPTERS)}
+        first = {name: generate(name) for name in TINY_ADAPTERS}
+        again = {name: generate(name) for name in reversed(TINY_ADAPTERS)}
+        loaded = list(llm._engine.runner.lora.loaded)
     assert first == again
     assert len(set(map(tuple, first.values()))) == len(TINY_ADAPTERS)
-    assert list(runner.lora.loaded) == ["attn"]  # max_cpu_loras=1: the last one asked for
+    assert loaded == ["attn"]  # max_cpu_loras=1: the last one asked for
 
 
 def test_the_weights_digest_follows_the_files_read(lora_model_dir, tmp_path):

@@ -1,13 +1,12 @@
-"""Rank 0's loop for engine=MPI: the rolling batch, as DESIGN.md draws it.
+"""Rank 0's core for engine=MPI: the rolling batch, as DESIGN.md draws it. The shell
+(engine_shell.py) reads the socket and queues requests here; each step:
 
-    loop:
-      drain new requests and aborts from the socket into the scheduler
       out = scheduler.schedule()
       logits = execute(out.chunks)          # broadcast to every rank, all run the model
                                             # (and score prompts that asked for log-probs)
       sampled = sampler.sample(logits)      # rank 0 only
       events = scheduler.update(out, sampled)
-      send(events)                          # one frame per web worker
+      outbox.send(events)                   # one frame per web worker
 
 A request that cannot be sampled fails alone. A failed model step fails the requests in it and
 the loop goes on, except with several ranks: then the ranks may be out of step, so the error
@@ -25,13 +24,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-import zmq
-
 from . import protocol
-from .adapter_registry import AdapterRegistry, lora_off_answer
+from .adapter_registry import AdapterRegistry
+from .engine_shell import Outbox
 from .engine_stats import EngineStats, PhaseTimer, StepTrace
 from .grammar import GrammarCompiler
-from .ipc import drain_router
 from .model_runner import StepLogits
 from .out_of_memory import failure_status, is_out_of_memory, largest_chunk
 from .request import Request
@@ -41,24 +38,25 @@ from .step import Sample
 
 log = logging.getLogger("lmserve.engine")
 
-_IDLE_POLL_MS = 100
-_GRAMMAR_POLL_MS = 1  # while only grammars are being built
+_GRAMMAR_POLL_S = 0.001  # while only grammars are being built
 _PROFILE_LOG_S = 30.0  # while busy, a log line of where the steps' time went
 # The log-prob of a token picked without logits (argmax_only): asked for by no one.
 _NO_LOG_PROB = float("nan")
 
 
-class RollingEngine:
+class RollingBatchCore:
+    """The rolling batch as the shell's EngineCore (engine_shell.py)."""
+
+    request_type = protocol.GenerateRequest
+    takes_adapter_commands = True
+
     def __init__(
         self,
         execute: Callable,
         scheduler: Scheduler,
         sampler: Sampler,
-        socket: zmq.Socket,
         eos_token_ids: set[int],
-        max_waiting: int,
         world_size: int = 1,
-        slot_timeout_s: float | None = None,
         adapters: AdapterRegistry | None = None,
         step_trace: StepTrace | None = None,
         grammars: GrammarCompiler | None = None,
@@ -66,77 +64,40 @@ class RollingEngine:
         self.execute = execute
         self.scheduler = scheduler
         self.sampler = sampler
-        self.socket = socket
         self.eos_token_ids = eos_token_ids
-        self.max_waiting = max_waiting
         self.world_size = world_size
-        # option.predict_timeout: how long a request may wait for its place in the batch.
-        self.slot_timeout_s = slot_timeout_s
         self.adapters = adapters  # the LoRA adapters served; None: LoRA is off
         self.step_trace = step_trace  # option.step_trace; None: no trace
         self.grammars = grammars  # builds structured outputs' grammars; None: refused
         self._building: dict[Request, Future] = {}  # requests waiting for their grammar
-        self.stats = EngineStats()
+        self.metrics = EngineStats()
         self._unstreamed: set[Request] = set()  # answered with one final event
         self._prefix_seen = (0, 0)  # prefix-cache (query, hit) tokens at the last log line
         self._drafts_seen = (0, 0)  # speculative (drafted, kept) tokens at the last log line
+        # Restarted at each step's end (and when work arrives after a wait): a step's "intake"
+        # is the shell's reading of the socket before it.
+        self._timer = PhaseTimer()
+        self._idle = True
         blocks = scheduler.blocks
         self.capacity_tokens = min(blocks.num_blocks * blocks.block_size, scheduler.max_model_len)
 
-    def run_forever(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        timer = PhaseTimer()
-        while True:
-            busy = self.scheduler.has_work()
-            timer.restart()
-            wait = 0 if busy else _GRAMMAR_POLL_MS if self._building else _IDLE_POLL_MS
-            if poller.poll(wait):
-                if not busy:
-                    timer.restart()  # waiting for work is not step time
-                drain_router(self.socket, self._handle)
-            self._admit_built()
-            timer.mark("intake")
-            self._expire_waiting(time.monotonic())
-            if self.scheduler.has_work():
-                self.step(timer)
-            if self.adapters is not None and self.adapters.retiring:
-                self.adapters.retire_unused(self._adapters_in_use())
+    def seconds_until_work(self, now: float) -> float | None:
+        if self.scheduler.has_work():
+            return 0.0
+        return _GRAMMAR_POLL_S if self._building else None
 
-    def _admit_built(self) -> None:
-        """Requests whose grammar is built join the scheduler; a grammar that failed to build
-        fails its request."""
-        for request, future in list(self._building.items()):
-            if not future.done():
-                continue
-            del self._building[request]
-            try:
-                request.grammar = future.result()
-            except Exception as error:
-                self._fail([request], 400, f"the grammar does not build: {error}")
-                continue
-            self.scheduler.add(request)
+    def num_queued(self) -> int:
+        return len(self.scheduler.waiting) + len(self._building)
 
-    def _expire_waiting(self, now: float) -> None:
-        """Answers the requests that waited longer than option.predict_timeout for a place in
-        the batch and never got one. A request that has produced tokens is never cut (a
-        preempted one waits again, but it is under way)."""
-        if self.slot_timeout_s is None:
+    def step(self, outbox: Outbox) -> None:
+        timer = self._timer
+        if self._idle:
+            timer.restart()  # waiting for work is not step time
+        self._admit_built(outbox)
+        timer.mark("intake")
+        self._idle = not self.scheduler.has_work()
+        if self._idle:
             return
-        expired = [
-            request
-            for request in self.scheduler.waiting
-            if request.first_token_time is None and now - request.arrival_time > self.slot_timeout_s
-        ]
-        if expired:
-            message = (
-                f"no place in the running batch within {self.slot_timeout_s:g} s"
-                " (option.predict_timeout); the server is busy, retry later"
-            )
-            self._fail(expired, 503, message)
-
-    def step(self, timer: PhaseTimer | None = None) -> None:
-        timer = timer or PhaseTimer()
         out = self.scheduler.schedule()
         if not out.requests:
             return
@@ -147,27 +108,56 @@ class RollingEngine:
         except Exception as error:
             if self.world_size > 1:
                 raise  # the other ranks may be inside a collective: end the job
-            self._step_failed(out, error)
+            self._step_failed(outbox, out, error)
+            timer.restart()
             return
         timer.mark("forward")
         self.scheduler.record_prompt_scores(out, step_logits.prompt_scores)
         sampled, failed = self._sample(step_logits, out)
         timer.mark("sample")
         for request, error in failed:
-            self._fail([request], failure_status(error), f"sampling failed: {error}")
+            self._fail(outbox, [request], failure_status(error), f"sampling failed: {error}")
         before = len(self.scheduler.running)
         produced = self.scheduler.update(out, sampled, self.eos_token_ids)
         self._count_step(out, before, produced)
-        events = self._events_by_worker(produced, len(out.requests))
+        for request, samples in produced:
+            event = self._event(request, samples, len(out.requests))
+            if event is not None:
+                outbox.send(request.reply_to, event)
         timer.mark("update")
-        for identity, group in events.items():
-            self._send(identity, group[0] if len(group) == 1 else protocol.BatchEvent(group))
+        outbox.flush()
         timer.mark("send")
         if self.step_trace is not None:
             self.step_trace.record(out.chunks, timer)
         self._profile(timer, len(out.requests))
+        timer.restart()
 
-    def _step_failed(self, out: SchedulerOutput, error: Exception) -> None:
+    def _admit_built(self, outbox: Outbox) -> None:
+        """Requests whose grammar is built join the scheduler; a grammar that failed to build
+        fails its request."""
+        for request, future in list(self._building.items()):
+            if not future.done():
+                continue
+            del self._building[request]
+            try:
+                request.grammar = future.result()
+            except Exception as error:
+                self._fail(outbox, [request], 400, f"the grammar does not build: {error}")
+                continue
+            self.scheduler.add(request)
+
+    def expire(self, arrived_before: float) -> list[tuple[bytes, str]]:
+        """A request that has produced tokens is never cut (a preempted one waits again, but
+        it is under way); one whose grammar is being built has not arrived yet."""
+        expired = [
+            request
+            for request in self.scheduler.waiting
+            if request.first_token_time is None and request.arrival_time < arrived_before
+        ]
+        self._drop(expired, "error")
+        return [(request.reply_to, request.request_id) for request in expired]
+
+    def _step_failed(self, outbox: Outbox, out: SchedulerOutput, error: Exception) -> None:
         """A model step raised (one rank: no collective is left waiting). Out of memory fails
         the request with the step's largest chunk alone, 507 as engine=Python answers it (it
         may fit later); the others stay as they were, their tokens not computed, and run
@@ -175,7 +165,7 @@ class RollingEngine:
         error fails every request of the step."""
         if not is_out_of_memory(error):
             log.exception("model step failed; failing its %d requests", len(out.requests))
-            self._fail(out.requests, 424, f"model step failed: {error!r}")
+            self._fail(outbox, out.requests, 424, f"model step failed: {error!r}")
             return
         request, num_tokens = largest_chunk(out.requests, out.chunks, self.scheduler.running)
         total = sum(len(chunk.token_ids) for chunk in out.chunks)
@@ -190,7 +180,7 @@ class RollingEngine:
             f"out of memory computing this request's {num_tokens} tokens in a step of {total}"
             f" tokens: {error}"
         )
-        self._fail([request], 507, message)
+        self._fail(outbox, [request], 507, message)
 
     def _sample(self, step_logits: StepLogits, out: SchedulerOutput):
         """({request: Sample, or [Sample] where it speculated}, [(request, error)])."""
@@ -217,8 +207,8 @@ class RollingEngine:
         return sampled, failed
 
     def _profile(self, timer: PhaseTimer, batch_size: int) -> None:
-        self.stats.steps.record(timer, batch_size)
-        summary = self.stats.steps.take_summary(_PROFILE_LOG_S)
+        self.metrics.steps.record(timer, batch_size)
+        summary = self.metrics.steps.take_summary(_PROFILE_LOG_S)
         if summary is not None:
             log.info("%s%s%s", summary, self._prefix_cache_summary(), self._draft_summary())
 
@@ -242,14 +232,6 @@ class RollingEngine:
         self._drafts_seen = counts
         return f"; drafts: {accepted} of {drafted} tokens kept ({rate:.0f}%)"
 
-    def _events_by_worker(self, produced, batch_size: int) -> dict[bytes, list[protocol.Event]]:
-        events: dict[bytes, list[protocol.Event]] = {}
-        for request, samples in produced:
-            event = self._event(request, samples, batch_size)
-            if event is not None:
-                events.setdefault(request.reply_to, []).append(event)
-        return events
-
     def _event(self, request: Request, samples: list[Sample], batch_size: int):
         """The event for this step's tokens (one, or more where a draft was kept), counted in
         the stats; None for a request that is not streamed and not finished (its final event
@@ -259,17 +241,15 @@ class RollingEngine:
         first = request.first_token_time is None
         if first:
             request.first_token_time = now
-            self.stats.time_to_first_token.observe(now - request.arrival_time)
+            self.metrics.time_to_first_token.observe(now - request.arrival_time)
         else:
             for _ in samples:  # the step's time shared among its tokens
-                self.stats.time_per_token.observe((now - request.last_token_time) / len(samples))
+                self.metrics.time_per_token.observe((now - request.last_token_time) / len(samples))
         request.last_token_time = now
-        self.stats.tokens_generated += len(samples)
-        if request.params.adapter is not None:
-            self.stats.adapter_tokens[request.params.adapter] += len(samples)
+        self.metrics.tokens_generated += len(samples)
         unstreamed = request in self._unstreamed
         if request.finish_reason is not None:
-            self.stats.finished[request.finish_reason] += 1
+            self.metrics.finished[request.finish_reason] += 1
             self._forget(request)
         elif unstreamed:
             return None
@@ -300,41 +280,31 @@ class RollingEngine:
         self._unstreamed.discard(request)
 
     def _count_step(self, out: SchedulerOutput, running_before: int, produced) -> None:
-        self.stats.num_steps += 1
+        self.metrics.num_steps += 1
         if out.num_joined and running_before > out.num_joined:
-            self.stats.num_steps_with_joins += 1
+            self.metrics.num_steps_with_joins += 1
         finished = sum(1 for request, _ in produced if request.finish_reason is not None)
         if finished and len(self.scheduler.running) > 0:
-            self.stats.num_steps_with_leaves += 1
+            self.metrics.num_steps_with_leaves += 1
 
-    def _fail(self, requests: list[Request], status: int, message: str) -> None:
+    def _fail(self, outbox: Outbox, requests: list[Request], status: int, message: str) -> None:
+        self._drop(requests, "error")
+        for request in requests:
+            outbox.send(request.reply_to, protocol.ErrorEvent(request.request_id, status, message))
+
+    def _drop(self, requests: list[Request], counted_as: str) -> None:
         self.scheduler.fail(requests)
         for request in requests:
-            self.stats.finished["error"] += 1
+            self.metrics.finished[counted_as] += 1
             self._forget(request)
-            self._send(request.reply_to, protocol.ErrorEvent(request.request_id, status, message))
 
-    def _handle(self, identity: bytes, message: protocol.ToEngine) -> None:
-        if isinstance(message, protocol.GenerateRequest):
-            self._admit(identity, message)
-        elif isinstance(message, protocol.AbortRequest):
-            request = self.scheduler.abort(message.id) or self._stop_building(message.id)
-            if request is not None:
-                self.stats.finished["abort"] += 1
-                self._forget(request)
-        elif isinstance(message, protocol.StatsRequest):
-            self._send(identity, protocol.StatsEvent(message.id, self.snapshot()))
-        elif isinstance(message, protocol.CountResponse):
-            self.stats.http_responses[message.status] += 1
-        elif isinstance(message, protocol.AdapterCommand):
-            if self.adapters is None:
-                self._send(identity, lora_off_answer(message))
-            else:
-                self._send(identity, self.adapters.answer(message, self._adapters_in_use()))
-        elif isinstance(message, protocol.HandleRequest):
-            # A user's handle() runs with engine=Python; answer a front end that thinks otherwise.
-            reason = "the rolling-batch engine serves the LLM handler, not a model.py handle()"
-            self._send(identity, protocol.ErrorEvent(message.id, 500, reason))
+    def abort(self, request_id: str) -> bool:
+        request = self.scheduler.abort(request_id) or self._stop_building(request_id)
+        if request is None:
+            return False
+        self.metrics.finished["abort"] += 1
+        self._forget(request)
+        return True
 
     def _stop_building(self, request_id: str) -> Request | None:
         for request in self._building:
@@ -343,46 +313,35 @@ class RollingEngine:
                 return request
         return None
 
-    def _adapters_in_use(self) -> set[str]:
-        queued = [*self.scheduler.running, *self.scheduler.waiting]
-        return {request.params.adapter for request in queued} - {None}
-
-    def _admit(self, identity: bytes, message: protocol.GenerateRequest) -> None:
+    def refusal(self, message: protocol.GenerateRequest) -> protocol.ErrorEvent | None:
         needed = len(message.prompt_ids) + message.params.max_new_tokens
         if needed > self.capacity_tokens:
             reason = (
-                f"prompt + max_new_tokens = {needed} tokens; the KV cache holds at most"
-                f" {self.capacity_tokens} for one request"
+                f"prompt + max_new_tokens = {needed} tokens exceed the {self.capacity_tokens}"
+                " tokens the KV cache holds for one request"
             )
-            self._send(identity, protocol.ErrorEvent(message.id, 400, reason))
-            return
+            return protocol.ErrorEvent(message.id, 400, reason)
         refusal = protocol.adapter_refusal(message.id, message.params.adapter, self.adapters)
         if refusal is not None:
-            self._send(identity, refusal)
-            return
+            return refusal
         if message.params.grammar is not None and self.grammars is None:
             reason = "this engine does not serve structured outputs"
-            self._send(identity, protocol.ErrorEvent(message.id, 400, reason))
-            return
-        if len(self.scheduler.waiting) + len(self._building) >= self.max_waiting:
-            self._send(identity, protocol.queue_full_event(message.id, self.max_waiting))
-            return
-        request = Request(
-            message.id, message.prompt_ids, message.params, time.monotonic(), reply_to=identity
-        )
+            return protocol.ErrorEvent(message.id, 400, reason)
+        return None
+
+    def add(self, identity: bytes, message: protocol.GenerateRequest, now: float) -> None:
+        request = Request(message.id, message.prompt_ids, message.params, now, reply_to=identity)
         if not message.stream:
             self._unstreamed.add(request)
-        if message.params.adapter is not None:
-            self.stats.adapter_requests[message.params.adapter] += 1
         if message.params.grammar is not None:
             self._building[request] = self.grammars.state_for(message.params.grammar)
         else:
             self.scheduler.add(request)
 
-    def snapshot(self) -> dict:
+    def stats(self) -> dict:
         blocks = self.scheduler.blocks
         return {
-            **self.stats.to_dict(),
+            **self.metrics.to_dict(),
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
             "kv_blocks_total": blocks.num_blocks,
@@ -403,9 +362,6 @@ class RollingEngine:
             "spec_draft_tokens": drafter.num_drafted,
             "spec_accepted_tokens": drafter.num_accepted,
         }
-
-    def _send(self, identity: bytes, event: protocol.FromEngine) -> None:
-        self.socket.send_multipart([identity, protocol.encode(event)])
 
 
 def _share_since(counts: tuple[int, int], seen: tuple[int, int]) -> tuple[int, int, float]:
