@@ -186,6 +186,6 @@ def _targets(args):
 
 
 def _default_tokenizer_dir() -> Path:
-    from lmserve.rolling_batch.model_source import local_model_path
+    from lmserve.rolling_batch.model.source import local_model_path
 
     return local_model_path(None, default_cache_dir())

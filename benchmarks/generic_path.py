@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from lmserve.properties.config import default_cache_dir
-from lmserve.rolling_batch.model_source import local_model_path
+from lmserve.rolling_batch.model.source import local_model_path
 
 from .runtime_throughput import native, run_under_engine_allocator
 

@@ -113,8 +113,8 @@ def main() -> None:
     options = parser.parse_args()
     llamacpp_python = os.path.abspath(options.llamacpp_python)  # a venv's symlink, kept
 
-    from lmserve.rolling_batch.gguf_convert import embedded_gguf
-    from lmserve.rolling_batch.model_source import local_model_path
+    from lmserve.rolling_batch.model.source import local_model_path
+    from lmserve.rolling_batch.model.weights.gguf_convert import embedded_gguf
 
     model_dir = local_model_path(None, default_cache_dir())
     builder = PromptBuilder(str(model_dir / "tokenizer.json"), seed=0)

@@ -64,7 +64,7 @@ def main() -> None:
     options = parser.parse_args()
     workload = next(w for w in WORKLOADS if w.name == options.workload)
 
-    from lmserve.rolling_batch.model_source import local_model_path
+    from lmserve.rolling_batch.model.source import local_model_path
 
     model_dir = local_model_path(None, default_cache_dir())
     folder = make_model_dir(model_dir, max(SPREADS), options.rank)

@@ -38,7 +38,7 @@ def main() -> None:
     options = parser.parse_args()
     workloads = [w for w in WORKLOADS if w.name in options.workloads]
 
-    from lmserve.rolling_batch.model_source import local_model_path
+    from lmserve.rolling_batch.model.source import local_model_path
 
     model_dir = local_model_path(None, default_cache_dir())
     builder = PromptBuilder(str(model_dir / "tokenizer.json"), seed=0)

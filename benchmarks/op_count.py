@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmserve.properties.config import default_cache_dir
-from lmserve.rolling_batch.model_source import local_model_path
+from lmserve.rolling_batch.model.source import local_model_path
 
 from .runtime_throughput import (
     batch_runner,
@@ -121,7 +121,7 @@ def measure(
     model_path, dtype: str, batch: int, prompt_len: int, repeats: int, python_layers=False
 ) -> dict:
     """`python_layers`: the model's Python layers serve even where its decoder stack would
-    run in one C++ call (rolling_batch/models/native_stack.py), as before the stack."""
+    run in one C++ call (rolling_batch/model/families/native_stack.py), as before the stack."""
     runner, hf_config, blocks = batch_runner(model_path, dtype, batch, prompt_len + 1)
     if python_layers:
         for module in runner.model.modules():

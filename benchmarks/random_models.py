@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from lmserve.properties.config import default_cache_dir
-from lmserve.rolling_batch.model_source import local_model_path
+from lmserve.rolling_batch.model.source import local_model_path
 
 SHAPES = {
     "qwen3-0.6b": (

@@ -20,12 +20,12 @@ import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from lmserve.properties.config import default_cache_dir
-from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
-from lmserve.rolling_batch.layers.cpu_matmul import try_pack
-from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-from lmserve.rolling_batch.model_source import local_model_path
-from lmserve.rolling_batch.mpi_launch import engine_environment
-from lmserve.rolling_batch.step import SequenceChunk
+from lmserve.rolling_batch.core.step import SequenceChunk
+from lmserve.rolling_batch.engine.mpi_launch import engine_environment
+from lmserve.rolling_batch.model.layers.cpu_matmul import try_pack
+from lmserve.rolling_batch.model.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model.runner_setup import RuntimeOptions, build_runner
+from lmserve.rolling_batch.model.source import local_model_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -16,11 +16,11 @@ import random
 import statistics
 import time
 
-from lmserve.rolling_batch.block_manager import BlockManager
-from lmserve.rolling_batch.protocol import GenerationParams
-from lmserve.rolling_batch.request import Request
-from lmserve.rolling_batch.scheduler import Scheduler
-from lmserve.rolling_batch.step import Sample
+from lmserve.rolling_batch.core.block_manager import BlockManager
+from lmserve.rolling_batch.core.request import Request
+from lmserve.rolling_batch.core.scheduler import Scheduler
+from lmserve.rolling_batch.core.step import Sample
+from lmserve.rolling_batch.ipc.protocol import GenerationParams
 
 _EOS = 0  # never sampled: every request runs to max_new_tokens
 

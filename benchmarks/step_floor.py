@@ -180,7 +180,7 @@ def replay_seconds(
 ) -> list[float]:
     """Each step's forward offline (the fastest of `passes`): its chunks' sizes and contexts
     on disjoint blocks, one block range a chunk position."""
-    from lmserve.rolling_batch.step import SequenceChunk
+    from lmserve.rolling_batch.core.step import SequenceChunk
 
     max_seqs = max(len(s.chunks) for s in steps)
     max_len = max(c.computed + c.new_tokens for s in steps for c in s.chunks)
@@ -270,7 +270,7 @@ def main() -> None:
         steps = burst_steps(steps)
     if not steps:
         raise SystemExit(f"{options.trace} holds no steps")
-    from lmserve.rolling_batch.model_source import local_model_path
+    from lmserve.rolling_batch.model.source import local_model_path
 
     model_dir = options.model_dir or local_model_path(None, default_cache_dir())
     dtype = DTYPES[options.dtype]

@@ -114,10 +114,10 @@ TOOLS = [
 
 def build_times(model_dir: Path) -> list[dict]:
     """Front-end check, cold engine build and cached build of each schema's grammar (ms)."""
-    from lmserve.handlers.structured_output import json_schema_grammar
-    from lmserve.handlers.tool_calls import ToolChoice, forced_grammar
-    from lmserve.rolling_batch.eos_tokens import eos_token_ids
-    from lmserve.rolling_batch.grammar import GrammarCompiler
+    from lmserve.handlers.agents.structured_output import json_schema_grammar
+    from lmserve.handlers.agents.tool_calls import ToolChoice, forced_grammar
+    from lmserve.rolling_batch.core.grammar import GrammarCompiler
+    from lmserve.rolling_batch.model.eos_tokens import eos_token_ids
 
     compiler = GrammarCompiler(model_dir, eos_token_ids(model_dir))
     started = time.perf_counter()

@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8099)
     options = parser.parse_args()
 
-    from lmserve.rolling_batch.model_source import local_model_path
+    from lmserve.rolling_batch.model.source import local_model_path
 
     tokenizer = local_model_path(None, default_cache_dir()) / "tokenizer.json"
     builder = PromptBuilder(str(tokenizer), seed=0)

@@ -272,7 +272,7 @@ def main() -> None:
     options.vllm_python = os.path.abspath(options.vllm_python)
     check_vllm(options.vllm_python)
 
-    from lmserve.rolling_batch.model_source import local_model_path
+    from lmserve.rolling_batch.model.source import local_model_path
 
     model_dir = (
         options.model.resolve() if options.model else local_model_path(None, default_cache_dir())

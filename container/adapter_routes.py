@@ -23,8 +23,8 @@ from pathlib import Path
 from flask import Flask, Response, jsonify, request
 
 from lmserve.properties.config import default_cache_dir
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.runtime import Runtime
 
 from .engine_client import EngineClient
 from .http_errors import error_response, unknown_model

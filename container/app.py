@@ -15,11 +15,11 @@ import uuid
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from lmserve.handlers.forwarding_handler import ForwardingHandler
+from lmserve.handlers.custom.forwarding_handler import ForwardingHandler
 from lmserve.handlers.interface import Handler
 from lmserve.handlers.llm_handler import LLMHandler
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.runtime import Runtime
 
 from .adapter_routes import add_adapter_routes
 from .engine_client import EngineClient

@@ -8,8 +8,13 @@ import os
 import sys
 from pathlib import Path
 
-from lmserve.handlers.formatters import load_formatters
-from lmserve.handlers.user_code import EntryPoint, UserCodeError, defines_handle, find_entry_point
+from lmserve.handlers.custom.formatters import load_formatters
+from lmserve.handlers.custom.user_code import (
+    EntryPoint,
+    UserCodeError,
+    defines_handle,
+    find_entry_point,
+)
 from lmserve.properties.config import (
     ConfigError,
     ResolvedConfig,
@@ -18,9 +23,9 @@ from lmserve.properties.config import (
     describe,
     load_config,
 )
-from lmserve.rolling_batch.gguf_convert import GGUFError
-from lmserve.rolling_batch.lora_adapters import ADAPTERS_DIR, adapters_dir
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.ipc.runtime import Runtime
+from lmserve.rolling_batch.lora.adapters import ADAPTERS_DIR, adapters_dir
+from lmserve.rolling_batch.model.weights.gguf_convert import GGUFError
 
 from .cluster import ClusterError, num_hosts, resolve_cluster
 from .host_probe import check_hosts

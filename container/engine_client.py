@@ -27,8 +27,8 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.runtime import Runtime, read_state, write_atomically
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.runtime import Runtime, read_state, write_atomically
 
 log = logging.getLogger(__name__)
 

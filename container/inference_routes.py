@@ -19,8 +19,8 @@ from lmserve.handlers.interface import (
     HandlerResponse,
     Route,
 )
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.runtime import Runtime
 
 from . import model_status
 from .engine_client import EngineClient

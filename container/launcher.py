@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.mpi_launch import engine_environment, rank_command
-from lmserve.rolling_batch.runtime import Runtime, read_state, write_state
+from lmserve.rolling_batch.engine.mpi_launch import engine_environment, rank_command
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.runtime import Runtime, read_state, write_state
 
 from . import gunicorn_conf
 from .cluster import Cluster
@@ -151,15 +151,15 @@ def engine_command(runtime: Runtime, runtime_path: Path) -> list[str]:
         cluster = Cluster(tuple((host, ranks) for host, ranks in runtime.hosts), "runtime")
         return rank_command(
             config.tensor_parallel_degree,
-            "lmserve.rolling_batch.worker",
+            "lmserve.rolling_batch.engine.process",
             runtime.to_json(),
             cluster.mpiexec_args(),
         )
     if config.engine == "MPI":
         return rank_command(
-            config.tensor_parallel_degree, "lmserve.rolling_batch.worker", str(runtime_path)
+            config.tensor_parallel_degree, "lmserve.rolling_batch.engine.process", str(runtime_path)
         )
-    return [sys.executable, "-m", "lmserve.handlers.python_engine.worker", str(runtime_path)]
+    return [sys.executable, "-m", "lmserve.handlers.python_engine.process", str(runtime_path)]
 
 
 def _stop_group(child: subprocess.Popen) -> None:

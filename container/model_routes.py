@@ -9,8 +9,8 @@ from pathlib import Path
 import yaml
 from flask import Flask, Response, jsonify
 
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.runtime import Runtime
 
 from . import metrics, model_status
 from .engine_client import EngineClient

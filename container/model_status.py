@@ -10,7 +10,7 @@ lmserve has one engine instead of workers: it is "Unhealthy" when ready but not 
 
 from __future__ import annotations
 
-from lmserve.rolling_batch.protocol import EngineState
+from lmserve.rolling_batch.ipc.protocol import EngineState
 
 PENDING = "PENDING"
 READY = "READY"

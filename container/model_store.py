@@ -16,16 +16,16 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lmserve.handlers.user_code import DEFAULT_ENTRY_POINT, defines_handle, find_entry_point
+from lmserve.handlers.custom.user_code import DEFAULT_ENTRY_POINT, defines_handle, find_entry_point
 from lmserve.properties.config import PROPERTIES_FILE, ServingConfig
-from lmserve.rolling_batch.architectures import EngineRequest, ServingPath, serving_path
-from lmserve.rolling_batch.gguf_convert import EMBEDDED_NAME, embedded_gguf
-from lmserve.rolling_batch.model_source import (
+from lmserve.rolling_batch.model.architectures import EngineRequest, ServingPath, serving_path
+from lmserve.rolling_batch.model.source import (
     ArchitectureCheck,
     ModelSourceError,
     as_hf_dir,
     holds_model_files,
 )
+from lmserve.rolling_batch.model.weights.gguf_convert import EMBEDDED_NAME, embedded_gguf
 
 from .s3_download import download_s3_folder
 

@@ -1,7 +1,8 @@
 """One request as the front end runs it, whatever route and dialect it came in on.
 
-Every route parses into a `GenerationJob` (request_parsing.py for DJL/TGI bodies, chat.py and
-openai_completions.py for OpenAI's): the prompts (text, or chat messages the model's template
+Every route parses into a `GenerationJob` (djl/request_parsing.py for DJL/TGI bodies,
+openai/chat.py and openai/completions.py for OpenAI's), its fields read through a
+`FieldReader`: the prompts (text, or chat messages the model's template
 renders), the generation parameters of each prompt's sequences, stop sequences, how many
 sequences to generate and answer per prompt, whether to stream, and what the answer shows.
 The Predictor runs a job (tokenize, check the length, submit, follow the events, detokenize,
@@ -11,16 +12,21 @@ dialect's shape.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from lmserve.rolling_batch.protocol import GenerationParams
+from lmserve.rolling_batch.ipc.protocol import GenerationParams
 
 if TYPE_CHECKING:
-    from .tool_calls import ToolChoice
+    from .agents.tool_calls import ToolChoice
+
+
+# n and best_of: the sequences one prompt may ask for.
+MAX_SEQUENCES = 16
 
 
 class Dialect(StrEnum):
@@ -94,3 +100,87 @@ class GenerationJob:
     @property
     def prompt_fields(self) -> PromptFields:
         return PROMPT_FIELDS[self.dialect]
+
+
+class FieldReader:
+    """Reads a body's fields, each checked: a wrong type or a value out of range raises
+    BadRequest naming the field (`prefix` + name); `known` collects the names read."""
+
+    def __init__(self, raw: dict[str, Any], prefix: str = "parameters."):
+        self.raw = raw
+        self.prefix = prefix  # how error messages name the fields
+        self.known: set[str] = set()
+
+    def _get(self, name: str) -> Any:
+        self.known.add(name)
+        return self.raw.get(name)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self._get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise BadRequest(f"{self.prefix}{name}", f"expected true or false, got {value!r}")
+        return value
+
+    def integer(
+        self, name: str, default: int | None, minimum: int, maximum: int | None = None
+    ) -> int | None:
+        value = self._get(name)
+        if value is None:
+            return default
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise BadRequest(f"{self.prefix}{name}", f"expected an integer, got {value!r}")
+        if value < minimum:
+            raise BadRequest(f"{self.prefix}{name}", f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise BadRequest(f"{self.prefix}{name}", f"must be <= {maximum}, got {value}")
+        return value
+
+    def number(
+        self,
+        name: str,
+        default: float,
+        minimum: float,
+        exclusive_minimum: bool = False,
+        maximum: float | None = None,
+    ) -> float:
+        value = self._get(name)
+        if value is None:
+            return default
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            raise BadRequest(f"{self.prefix}{name}", f"expected a number, got {value!r}")
+        too_low = value <= minimum if exclusive_minimum else value < minimum
+        too_high = maximum is not None and value > maximum
+        if too_low or too_high or math.isinf(value):
+            low = f"> {minimum}" if exclusive_minimum else f">= {minimum}"
+            high = f" and <= {maximum}" if maximum is not None else ""
+            raise BadRequest(f"{self.prefix}{name}", f"must be {low}{high}, got {value}")
+        return float(value)
+
+    def text(self, name: str) -> str | None:
+        """A non-empty string, or None when absent."""
+        value = self._get(name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise BadRequest(f"{self.prefix}{name}", f"expected a non-empty string, got {value!r}")
+        return value
+
+    def stop_sequences(self, name: str = "stop_sequences") -> tuple[str, ...]:
+        value = self._get(name)
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+            raise BadRequest(f"{self.prefix}{name}", "expected a list of non-empty strings")
+        return tuple(value)
+
+    def choice(self, name: str, allowed: tuple[str, ...]) -> str | None:
+        value = self._get(name)
+        if value is not None and value not in allowed:
+            raise BadRequest(
+                f"{self.prefix}{name}", f"expected one of {', '.join(allowed)}, got {value!r}"
+            )
+        return value

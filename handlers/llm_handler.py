@@ -5,7 +5,7 @@ and which Responder shapes its answer. Text payloads (`{"inputs": ..., "paramete
 text/plain) get DJL's shape, TGI's with option.tgi_compat; bodies with `messages` (and
 everything on /v1/chat/completions) are OpenAI chat; bodies with `prompt` (and everything on
 /v1/completions) OpenAI completions. A model.py's input and output formatters
-(handlers/formatters.py), if it has them, reshape text requests on the way in and their
+(handlers/custom/formatters.py), if it has them, reshape text requests on the way in and their
 answers on the way out. Generation itself, and the promise that every accepted request ends in
 exactly one answer, is the Predictor's (handlers/predictor.py).
 """
@@ -17,29 +17,30 @@ import json
 
 import msgspec
 
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.ipc.runtime import Runtime
 
-from .assistant_message import MessageFormat
-from .chat import ChatResponder, parse_chat
-from .djl_answers import DjlResponder
-from .djl_io import Input
-from .engine_events import ClientGone, PredictionError
-from .formatters import FormattedGeneration, load_formatters
+from .agents.assistant_message import MessageFormat
+from .agents.tool_calls import tool_call_format
+from .custom.djl_io import Input
+from .custom.formatters import FormattedGeneration, load_formatters
+from .djl.answers import DjlResponder
+from .djl.request_parsing import BadRequest, load_payload, parse_payload, streamed
 from .interface import (
     OPENAI_ROUTES,
     TOKENIZER_ROUTES,
+    ClientGone,
     EngineConnection,
     HandlerRequest,
     HandlerResponse,
+    PredictionError,
     Route,
 )
 from .job import Dialect, GenerationJob
-from .openai_completions import CompletionResponder, parse_completion
+from .openai.chat import ChatResponder, parse_chat
+from .openai.completions import CompletionResponder, parse_completion
+from .openai.tokenize_api import detokenize, tokenize
 from .predictor import Predictor
-from .request_parsing import BadRequest, load_payload, parse_payload, streamed
 from .responder import Responder
-from .tokenize_api import detokenize, tokenize
-from .tool_calls import tool_call_format
 
 _SSE = "text/event-stream"
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.protocol import TopLogprobs
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.protocol import TopLogprobs
 
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, find_stop
 
 
 @dataclass
@@ -99,16 +99,6 @@ def complete(
         generation.prompt_log_probs,
         generation.prompt_top_logprobs,
     )
-
-
-def find_stop(text: str, stop_sequences: tuple[str, ...]) -> tuple[int, int] | None:
-    """(start, end) of the earliest stop sequence in `text` (the shortest of those starting
-    there), or None. Streams and final answers both cut here, so they agree."""
-    found = [(text.find(s), len(s)) for s in stop_sequences if s in text]
-    if not found:
-        return None
-    start, length = min(found)
-    return start, start + length
 
 
 def _tokens_covering(tokenizer: Tokenizer, token_ids: list[int], num_chars: int) -> int:

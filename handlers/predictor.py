@@ -13,20 +13,17 @@ import time
 
 import msgspec
 
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.context_length import context_length_of
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.runtime import Runtime
+from lmserve.rolling_batch.model.context_length import context_length_of
 
-from .chat_template import ChatTemplate
-from .detokenizer import IncrementalDetokenizer
-from .engine_events import PredictionError, next_event
-from .interface import EngineConnection
+from .agents.reasoning import reasoning_format
+from .interface import EngineConnection, PredictionError, next_event
 from .job import BadRequest, GenerationJob
 from .outputs import Generation, complete
-from .reasoning import reasoning_format
 from .responder import Responder
 from .streamed_sequences import StreamedSequence, stream_events
-from .tokenizer import Tokenizer
+from .tokenizer import ChatTemplate, IncrementalDetokenizer, Tokenizer
 from .truncation import keep_last_tokens
 
 

@@ -8,13 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from lmserve.rolling_batch import protocol
+from lmserve.rolling_batch.ipc import protocol
 
-from .detokenizer import IncrementalDetokenizer
-from .engine_events import PredictionError
-from .interface import EngineConnection
+from .interface import EngineConnection, PredictionError
 from .outputs import Completion, Generation, TokenOutput
-from .tokenizer import Tokenizer
+from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

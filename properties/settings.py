@@ -328,7 +328,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     # Waiting prompts that arrived together (between two engine steps) prefill shortest first
     # (lower median time to first token); `fcfs` keeps their arrival order. Earlier arrivals
-    # go first either way (rolling_batch/scheduler.py).
+    # go first either way (rolling_batch/core/scheduler.py).
     Setting(
         "option.scheduling_policy",
         "scheduling_policy",

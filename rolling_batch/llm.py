@@ -7,7 +7,7 @@
 The LLM is a client of the server's engine over the same typed protocol: every prompt is a
 GenerateRequest, answered by a FinalEvent (or an ErrorEvent). With one rank the engine shell
 and the rolling batch run in this process (worker.build_rolling_core); with
-`tensor_parallel_degree > 1` it starts the MPI ranks as the server does (worker.py, in a
+`tensor_parallel_degree > 1` it starts the MPI ranks as the server does (engine/process.py, in a
 private directory) and talks to rank 0 over their socket, stopping them on `close()` (or
 leaving the `with`).
 """
@@ -30,16 +30,16 @@ import zmq
 
 from lmserve.properties.config import ServingConfig, default_cache_dir, load_config
 
-from . import protocol
-from .engine_setup import RuntimeOptions, build_runner
-from .engine_shell import EngineShell
-from .eos_tokens import eos_token_ids
-from .layers.parallel import TensorParallelGroup
-from .model_runner import ModelRunner
-from .model_source import local_model_path
-from .mpi_launch import engine_environment, rank_command
-from .runtime import Runtime, read_state
-from .worker import build_rolling_core
+from .engine.mpi_launch import engine_environment, rank_command
+from .engine.process import build_rolling_core
+from .engine.shell import EngineShell
+from .ipc import protocol
+from .ipc.runtime import Runtime, read_state
+from .model.eos_tokens import eos_token_ids
+from .model.layers.parallel import TensorParallelGroup
+from .model.runner import ModelRunner
+from .model.runner_setup import RuntimeOptions, build_runner
+from .model.source import local_model_path
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class _Inbox:
 
 
 class _RankEngine:
-    """`mpiexec -n N` ranks running the server's worker.py in a private directory; this
+    """`mpiexec -n N` ranks running the server's engine/process.py in a private directory; this
     process is their one front end."""
 
     def __init__(self, model_path: Path, config: ServingConfig, timeout_s: float):
@@ -217,7 +217,9 @@ class _RankEngine:
         ipc_dir = tempfile.mkdtemp(prefix="lmserve-llm-")
         runtime = Runtime(config, model_path.name, str(model_path), str(model_path), ipc_dir)
         command = rank_command(
-            config.tensor_parallel_degree, "lmserve.rolling_batch.worker", str(runtime.write())
+            config.tensor_parallel_degree,
+            "lmserve.rolling_batch.engine.process",
+            str(runtime.write()),
         )
         self._process = subprocess.Popen(command, start_new_session=True, env=engine_environment())
         # An LLM dropped without close() (or an interpreter exiting) still stops its ranks.

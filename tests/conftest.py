@@ -30,7 +30,7 @@ def cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(cache_dir: Path) -> Path:
-    from lmserve.rolling_batch.gguf_convert import convert_gguf_once, embedded_gguf
+    from lmserve.rolling_batch.model.weights.gguf_convert import convert_gguf_once, embedded_gguf
 
     return convert_gguf_once(embedded_gguf(), cache_dir)
 

@@ -23,8 +23,8 @@ from typing import TypeVar
 
 import requests
 
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.runtime import STATE_FILE
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.runtime import STATE_FILE
 
 from .conftest import TEST_CACHE_DIR
 
@@ -159,7 +159,7 @@ class Server:
 
     def engine_pid(self) -> int:
         for pid in descendants(self.process.pid):
-            if "lmserve.handlers.python_engine.worker" in command_line(pid):
+            if "lmserve.handlers.python_engine.process" in command_line(pid):
                 return pid
         raise AssertionError("no engine process found")
 
@@ -172,7 +172,7 @@ class Server:
             except OSError:
                 continue
             ranked = f"PMI_RANK={rank}".encode() in environ
-            if b"lmserve.rolling_batch.worker" in cmdline and ranked:
+            if b"lmserve.rolling_batch.engine.process" in cmdline and ranked:
                 return pid
         raise AssertionError(f"rank {rank} not found")
 

@@ -20,7 +20,7 @@ def test_custom_handlers_page_shows_the_tested_model_py():
 
 
 def test_supported_models_table_is_the_registrys():
-    from lmserve.rolling_batch.architectures import supported_models_table
+    from lmserve.rolling_batch.model.architectures import supported_models_table
 
     page = (ROOT / "docs/models.md").read_text()
     table = between(page, "<!-- supported-models -->\n", "<!-- /supported-models -->")

@@ -13,7 +13,7 @@ batch and the context lengths vary every step) and timed against eager on the sa
 steps as `op_count`: B sequences, one decode token each after --prompt-len prompt tokens.
 Compile time and the first call's time are reported too (a server pays them at start-up).
 Eager is the runtime as it serves: where the decoder stack runs as one C++ call
-(rolling_batch/models/native_stack.py), inductor is given the Python layers it replaces.
+(rolling_batch/model/families/native_stack.py), inductor is given the Python layers it replaces.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from lmserve.benchmarks.runtime_throughput import (
 )
 from lmserve.kernels import cpu_native
 from lmserve.properties.config import default_cache_dir
-from lmserve.rolling_batch.layers import cpu_matmul
-from lmserve.rolling_batch.model_source import local_model_path
-from lmserve.rolling_batch.mpi_launch import engine_environment
+from lmserve.rolling_batch.engine.mpi_launch import engine_environment
+from lmserve.rolling_batch.model.layers import cpu_matmul
+from lmserve.rolling_batch.model.source import local_model_path
 
 _LINEARS: list = []  # handle -> the packed weight's own eager call
 _OUT_FEATURES: list[int] = []

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from ..djl_io import Input, Output, encode_value
+from ..custom.djl_io import Input, Output, encode_value
 
 log = logging.getLogger(__name__)
 

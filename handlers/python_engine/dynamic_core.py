@@ -1,11 +1,11 @@
-"""engine=Python's core for the engine shell (rolling_batch/engine_shell.py): dynamic
+"""engine=Python's core for the engine shell (rolling_batch/engine/shell.py): dynamic
 batching. Requests wait in the DynamicBatcher; each step runs whichever batch is due to
 completion and answers every request in it. What a batch is depends on the work: token ids
 through HF `generate` (hf_work.py), or raw requests through a model.py's `handle`
 (user_handler_work.py). Torch-free.
 
 The LoRA adapter management API is answered as the rolling batch answers it (the HF work's
-`adapters`, rolling_batch/adapter_registry.py), between batches: the model changes only then.
+`adapters`, rolling_batch/lora/registry.py), between batches: the model changes only then.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 from collections import Counter
 from typing import Protocol
 
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.adapter_registry import ServedAdapters
-from lmserve.rolling_batch.engine_shell import Outbox
+from lmserve.rolling_batch.engine.shell import Outbox
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.lora.registry import ServedAdapters
 
 from .dynamic_batcher import DynamicBatcher, PendingRequest
 

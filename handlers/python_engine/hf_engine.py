@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
 
-from lmserve.rolling_batch.eos_tokens import eos_token_ids
-from lmserve.rolling_batch.grammar import GrammarCompiler
-from lmserve.rolling_batch.lora_adapters import ADAPTERS_DIR, find_adapters
-from lmserve.rolling_batch.model_loader import load_hf_config, resolve_dtype
-from lmserve.rolling_batch.protocol import GenerationParams, TopLogprobs, adapter_refusal
-from lmserve.rolling_batch.quantized_checkpoint import quantization_config
+from lmserve.rolling_batch.core.grammar import GrammarCompiler
+from lmserve.rolling_batch.ipc.protocol import GenerationParams, TopLogprobs, adapter_refusal
+from lmserve.rolling_batch.lora.adapters import ADAPTERS_DIR, find_adapters
+from lmserve.rolling_batch.model.eos_tokens import eos_token_ids
+from lmserve.rolling_batch.model.weights.loader import load_hf_config, resolve_dtype
+from lmserve.rolling_batch.model.weights.quantized_checkpoint import quantization_config
 
 from . import hf_lora
 from .hf_grammar import GrammarLogitsProcessor
@@ -287,7 +287,8 @@ def _top_lists(values: torch.Tensor, ids: torch.Tensor, k: int) -> list[TopLogpr
 
 def refuse_quantized_checkpoint(hf_config) -> None:
     """HF transformers loads AWQ and GPTQ checkpoints only through their own GPU kernel
-    packages; the rolling batch serves them (rolling_batch/quantized_checkpoint.py)."""
+    packages; the rolling batch serves them
+    (rolling_batch/model/weights/quantized_checkpoint.py)."""
     method = quantization_config(hf_config).get("quant_method")
     if method is None:
         return

@@ -1,6 +1,6 @@
 """Structured output for engine=Python: a logits processor that HF `generate` calls each step,
 masking every constrained row to what its grammar allows next (the rolling engine's masks,
-rolling_batch/grammar.py and sampler.py). It runs before HF's temperature, top-k and top-p, as
+rolling_batch/core/grammar.py and sampler.py). It runs before HF's temperature, top-k and top-p, as
 the rolling engine's sampler masks before them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
-from lmserve.rolling_batch.grammar import GrammarState
-from lmserve.rolling_batch.sampler import grammar_masks, mask_disallowed
+from lmserve.rolling_batch.core.grammar import GrammarState
+from lmserve.rolling_batch.engine.sampler import grammar_masks, mask_disallowed
 
 
 class GrammarLogitsProcessor(LogitsProcessor):

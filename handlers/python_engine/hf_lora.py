@@ -10,7 +10,7 @@ adapters, and it costs a gather and scatter of each adapter's rows in every adap
 every step; the active-adapter path is the plain one HF + PEFT users (and the tests' reference)
 run. The switch is process state: safe because one thread runs the batches, one at a time.
 
-Each adapter is first read by the rolling batch's own checks (rolling_batch/lora_adapters.py),
+Each adapter is first read by the rolling batch's own checks (rolling_batch/lora/adapters.py),
 so both engines refuse the same adapters (DoRA, trained biases, modules_to_save, too high a
 rank, ...) with the same message naming the adapter, at start or when registered through the
 management API. Every adapter stays loaded until it is unregistered: its weights are small next
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from lmserve.rolling_batch.lora_adapters import TARGETS, AdapterError, load_adapter
+from lmserve.rolling_batch.lora.adapters import TARGETS, AdapterError, load_adapter
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Requests batch by their generation parameters, the LoRA adapter among them; one naming an
 adapter that is not served (or unregistered) is refused before it is queued. The adapters are
-the management API's to change, as in the rolling batch (rolling_batch/adapter_registry.py);
+the management API's to change, as in the rolling batch (rolling_batch/lora/registry.py);
 the engine loop answers its commands between batches, so the model changes only then. A failing
 batch is retried request by request, so one bad request cannot fail its neighbours; a request
 that fails alone gets 424 (507 when out of memory)."""
@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.adapter_registry import ServedAdapters
-from lmserve.rolling_batch.engine_shell import Outbox
-from lmserve.rolling_batch.out_of_memory import failure_status
+from lmserve.rolling_batch.engine.out_of_memory import failure_status
+from lmserve.rolling_batch.engine.shell import Outbox
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.lora.registry import ServedAdapters
 
 from .dynamic_batcher import PendingRequest
 from .hf_engine import HFEngine

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.engine_shell import Outbox
+from lmserve.rolling_batch.engine.shell import Outbox
+from lmserve.rolling_batch.ipc import protocol
 
 from .custom_service import Answer, HandlerError, RawRequest, UserHandlerService
 from .dynamic_batcher import PendingRequest

@@ -9,7 +9,7 @@ import pytest
 from lmserve.container.cluster import ClusterError, num_hosts, resolve_cluster
 from lmserve.container.launcher import engine_command
 from lmserve.properties.config import load_config
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.ipc.runtime import Runtime
 
 
 def test_one_machine_without_hosts():

@@ -15,8 +15,8 @@ from msgspec.msgpack import encode as pack
 
 from lmserve.container.engine_client import _REFRESH_ID, EngineClient
 from lmserve.properties.config import load_config
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.runtime import Runtime, write_state
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.runtime import Runtime, write_state
 
 
 @pytest.fixture

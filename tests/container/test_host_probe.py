@@ -23,10 +23,10 @@ from lmserve.container.host_probe import (
     probe,
 )
 from lmserve.properties.config import load_config
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.ipc.runtime import Runtime
 
 CLUSTER = Cluster((("leader", 1), ("worker-1", 1)), "DJL_CLUSTER_SIZE=2")
-CHANGED = "rolling_batch/sampler.py"
+CHANGED = "rolling_batch/engine/sampler.py"
 
 
 def copy_of_lmserve(folder: Path, changed: str | None = CHANGED) -> Path:
@@ -51,7 +51,7 @@ def fake_launcher(path: Path, setup: str = "") -> dict[str, str]:
 
 def test_the_code_digest_covers_every_source_of_the_installed_packages():
     files = code_files(package_roots())
-    for name in ("rolling_batch/scheduler.py", "rolling_batch/layers/linear.py"):
+    for name in ("rolling_batch/core/scheduler.py", "rolling_batch/model/layers/linear.py"):
         assert name in files
     assert "kernels/csrc/cpu_ops.cpp" in files  # the C++ kernels the ranks compile
     assert not [name for name in files if "__pycache__" in name or name.endswith(".pyc")]
@@ -102,7 +102,7 @@ def test_a_host_with_other_lmserve_code_is_refused_naming_it_and_the_file(tmp_pa
         check_hosts(CLUSTER, tmp_path / "model", environ)
     assert f"files: {CHANGED});" in str(refused.value)
     (site / "lmserve" / CHANGED).write_bytes(
-        (package_roots()["rolling_batch"] / "sampler.py").read_bytes()
+        (package_roots()["rolling_batch"] / "engine" / "sampler.py").read_bytes()
     )
     check_hosts(CLUSTER, tmp_path / "model", environ)  # the same code, installed elsewhere
 

@@ -4,7 +4,7 @@ the step profile comes out as histograms and per-phase counters."""
 from __future__ import annotations
 
 from lmserve.container import metrics
-from lmserve.rolling_batch.engine_stats import PHASES, EngineStats, PhaseTimer
+from lmserve.rolling_batch.engine.stats import PHASES, EngineStats, PhaseTimer
 
 
 def samples(text: str) -> dict[str, float]:
@@ -38,13 +38,15 @@ def test_step_profile_is_exposed():
 
 
 def test_requests_and_tokens_per_lora_adapter():
-    stats = EngineStats()
-    stats.adapter_requests.update({"sql": 2, 'odd"name': 1})
-    stats.adapter_tokens.update({"sql": 40, 'odd"name': 7})
-    values = samples(metrics.render(stats.to_dict(), "m"))
+    # The engine shell's counts beside the rolling batch's.
+    stats = {
+        **EngineStats().to_dict(),
+        "adapter_requests": {"sql": 2, 'odd"name': 1},
+        "adapter_tokens": {"sql": 40, 'odd"name': 7},
+    }
+    values = samples(metrics.render(stats, "m"))
     assert values['lmserve_adapter_requests_total{model="m",adapter="sql"}'] == 2
     assert values['lmserve_adapter_tokens_total{model="m",adapter="sql"}'] == 40
     assert values['lmserve_adapter_tokens_total{model="m",adapter="odd\\"name"}'] == 7
-    assert not any(
-        "adapter" in name for name in samples(metrics.render(EngineStats().to_dict(), "m"))
-    )
+    idle = {**EngineStats().to_dict(), "adapter_requests": {}, "adapter_tokens": {}}
+    assert not any("adapter" in name for name in samples(metrics.render(idle, "m")))

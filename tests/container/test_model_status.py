@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lmserve.container.model_status import health_status, listed_status
-from lmserve.rolling_batch.protocol import EngineState
+from lmserve.rolling_batch.ipc.protocol import EngineState
 
 
 @pytest.mark.parametrize(

@@ -407,8 +407,8 @@ def gguf_header(path: Path, architecture: str) -> Path:
 
 
 def test_the_gguf_architecture_is_read_from_the_header():
-    from lmserve.rolling_batch.architectures import gguf_architecture
-    from lmserve.rolling_batch.gguf_convert import embedded_gguf
+    from lmserve.rolling_batch.model.architectures import gguf_architecture
+    from lmserve.rolling_batch.model.weights.gguf_convert import embedded_gguf
 
     assert gguf_architecture(embedded_gguf()) == "llama"
 

@@ -13,10 +13,10 @@ import json
 import llguidance
 import pytest
 
+from lmserve.handlers.agents.tool_calls import ToolChoice, forced_grammar, read_tool_choice
 from lmserve.handlers.interface import Route
 from lmserve.handlers.job import BadRequest
 from lmserve.handlers.tokenizer import Tokenizer
-from lmserve.handlers.tool_calls import ToolChoice, forced_grammar, read_tool_choice
 
 from .test_llm_handler import call, make_handler, stream_lines
 from .test_structured_output import accepts

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.handlers.chat import parse_chat
-from lmserve.handlers.chat_template import ChatTemplate
 from lmserve.handlers.job import BadRequest
+from lmserve.handlers.openai.chat import parse_chat
+from lmserve.handlers.tokenizer import ChatTemplate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -141,7 +141,7 @@ def test_rendering_does_not_import_torch(smollm2_dir):
     # seconds and memory in every worker).
     script = (
         "import sys\n"
-        "from lmserve.handlers.chat_template import ChatTemplate\n"
+        "from lmserve.handlers.tokenizer import ChatTemplate\n"
         f"ChatTemplate({str(smollm2_dir)!r}).render([{{'role': 'user', 'content': 'hi'}}])\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

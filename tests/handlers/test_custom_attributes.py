@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from lmserve.handlers.custom_attributes import parse_custom_attributes
-from lmserve.handlers.djl_io import Input
+from lmserve.handlers.custom.djl_io import Input
+from lmserve.handlers.djl.custom_attributes import parse_custom_attributes
 from lmserve.handlers.interface import HandlerRequest
 
 HEADER = "X-Amzn-SageMaker-Custom-Attributes"

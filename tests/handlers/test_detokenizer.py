@@ -9,8 +9,7 @@ import random
 
 import pytest
 
-from lmserve.handlers.detokenizer import IncrementalDetokenizer
-from lmserve.handlers.tokenizer import Tokenizer
+from lmserve.handlers.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "Grüße aus Köln! 你好，世界 🌍🚀 naïve café — “quotes” and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 math.",

@@ -4,7 +4,7 @@ max_batch_delay, different parameters never share a batch, the oldest group goes
 from __future__ import annotations
 
 from lmserve.handlers.python_engine.dynamic_batcher import DynamicBatcher, PendingRequest
-from lmserve.rolling_batch.protocol import GenerationParams
+from lmserve.rolling_batch.ipc.protocol import GenerationParams
 
 GREEDY = GenerationParams()
 SAMPLED = GenerationParams(do_sample=True, temperature=0.7, seed=1)

@@ -17,16 +17,16 @@ import pytest
 import torch
 import zmq
 
+from lmserve.handlers.custom.user_code import find_entry_point, load
 from lmserve.handlers.python_engine.custom_service import UserHandlerService
 from lmserve.handlers.python_engine.hf_engine import Generation
 from lmserve.handlers.python_engine.hf_work import HFGenerateWork
+from lmserve.handlers.python_engine.process import python_engine_shell
 from lmserve.handlers.python_engine.user_handler_work import UserHandlerWork
-from lmserve.handlers.python_engine.worker import python_engine_shell
-from lmserve.handlers.user_code import find_entry_point, load
 from lmserve.properties.config import load_config
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.ipc import drain_router
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.router import drain_router
+from lmserve.rolling_batch.ipc.runtime import Runtime
 
 
 class ScriptedModel:

@@ -8,11 +8,11 @@ import json
 import queue
 import time
 
-from lmserve.handlers.forwarding_handler import ForwardingHandler
+from lmserve.handlers.custom.forwarding_handler import ForwardingHandler
 from lmserve.handlers.interface import HandlerRequest
 from lmserve.properties.config import load_config
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.runtime import Runtime
 
 
 class ScriptedEngine:

@@ -13,9 +13,9 @@ import torch
 from lmserve.handlers.python_engine.dynamic_batcher import PendingRequest
 from lmserve.handlers.python_engine.hf_engine import HFEngine
 from lmserve.handlers.python_engine.hf_work import HFGenerateWork
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.model_loader import resolve_dtype
-from lmserve.rolling_batch.protocol import GenerationParams
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.protocol import GenerationParams
+from lmserve.rolling_batch.model.weights.loader import resolve_dtype
 
 PROMPTS = [[1, 504, 3575], [28120, 30, 339, 5248, 253, 1114, 519], [7042]]
 
@@ -69,11 +69,11 @@ def test_seeded_sampling_repeats(engine):
 
 
 def test_auto_dtype_follows_the_cpu_and_the_checkpoint_on_gpu(monkeypatch):
-    from lmserve.rolling_batch import model_loader
+    from lmserve.rolling_batch.model.weights import loader
 
-    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
     assert resolve_dtype("auto", torch.bfloat16, "cpu") == torch.float32
-    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
     assert resolve_dtype("auto", torch.float32, "cpu") == torch.bfloat16
     assert resolve_dtype("auto", torch.float16, "cuda") == torch.float16
     assert resolve_dtype("bf16", torch.float32, "cpu") == torch.bfloat16
@@ -164,6 +164,19 @@ def test_top_logprobs_come_from_the_filtered_sampling_distribution(engine):
         assert dict(pairs)[token] == pytest.approx(log_prob, abs=1e-6)
 
 
+class Collecting:
+    """The engine shell's outbox, as far as a work uses it: keeps the events sent."""
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def send(self, identity: bytes, event) -> None:
+        self.events.append(event)
+
+    def flush(self) -> None:
+        pass
+
+
 def test_final_events_carry_the_log_probs_asked_for(engine):
     params = [
         GenerationParams(max_new_tokens=3, top_logprobs=2, prompt_logprobs=True),
@@ -174,7 +187,7 @@ def test_final_events_carry_the_log_probs_asked_for(engine):
         for i, (p, q) in enumerate(zip(PROMPTS[:2], params))
     ]
     sent = []
-    assert HFGenerateWork(engine).run(batch, lambda to, event: sent.append(event)) == 2
+    assert HFGenerateWork(engine).run(batch, Collecting(sent)) == 2
     # Through the socket's encoding, as the front end gets them.
     asked, plain = protocol.decode_events(protocol.encode(protocol.BatchEvent(sent)))
     expected = engine.generate(PROMPTS[:2], params)[0]

@@ -16,13 +16,13 @@ import torch
 from lmserve.handlers.python_engine.hf_engine import HFEngine
 from lmserve.handlers.python_engine.hf_lora import adaptable_linears
 from lmserve.handlers.python_engine.hf_work import HFGenerateWork
-from lmserve.handlers.python_engine.worker import load_hf_work, python_engine_shell
+from lmserve.handlers.python_engine.process import load_hf_work, python_engine_shell
 from lmserve.properties.config import load_config
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.lora_adapters import linear_shapes
-from lmserve.rolling_batch.model_loader import load_hf_config
-from lmserve.rolling_batch.protocol import GenerationParams
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.protocol import GenerationParams
+from lmserve.rolling_batch.ipc.runtime import Runtime
+from lmserve.rolling_batch.lora.adapters import linear_shapes
+from lmserve.rolling_batch.model.weights.loader import load_hf_config
 
 from ..hf_reference import VARIED_PROMPTS, assert_same_or_near_tie, hf_greedy_alone
 from ..lora_adapters import TINY_ADAPTERS, peft_model, tiny_model_with_adapters

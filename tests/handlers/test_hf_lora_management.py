@@ -17,11 +17,11 @@ from peft import PeftModel
 from lmserve.handlers.python_engine.hf_engine import HFEngine
 from lmserve.handlers.python_engine.hf_lora import adaptable_linears
 from lmserve.handlers.python_engine.hf_work import HFGenerateWork
-from lmserve.handlers.python_engine.worker import python_engine_shell
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.engine_shell import EngineShell
-from lmserve.rolling_batch.lora_adapters import linear_shapes
-from lmserve.rolling_batch.model_loader import load_hf_config
+from lmserve.handlers.python_engine.process import python_engine_shell
+from lmserve.rolling_batch.engine.shell import EngineShell
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.lora.adapters import linear_shapes
+from lmserve.rolling_batch.model.weights.loader import load_hf_config
 
 from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
 from ..lora_adapters import (

@@ -18,8 +18,8 @@ from lmserve.handlers.interface import HandlerRequest, HandlerResponse, Route
 from lmserve.handlers.llm_handler import LLMHandler
 from lmserve.handlers.tokenizer import Tokenizer
 from lmserve.properties.config import load_config
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.runtime import Runtime
 
 REPLY = " Paris is the capital of France."
 SLOW_S = 2.5  # a generation longer than the tests' option.predict_timeout of 1 s

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lmserve.handlers.djl_answers import DjlResponder
+from lmserve.handlers.djl.answers import DjlResponder
 from lmserve.handlers.outputs import Generation, TokenOutput, complete, shape_response, to_json
 from lmserve.handlers.tokenizer import Tokenizer
 

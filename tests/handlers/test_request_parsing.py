@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from lmserve.handlers.request_parsing import BadRequest, parse_body, parse_payload
-from lmserve.rolling_batch.protocol import GenerationParams
+from lmserve.handlers.djl.request_parsing import BadRequest, parse_body, parse_payload
+from lmserve.rolling_batch.ipc.protocol import GenerationParams
 
 
 def parse(payload, content_type="application/json"):
@@ -183,8 +183,8 @@ def test_bad_adapters_are_refused_naming_the_field(payload, message):
 
 
 def test_openai_model_names_an_adapter_only_with_lora_on():
-    from lmserve.handlers.chat import parse_chat
-    from lmserve.handlers.openai_completions import parse_completion
+    from lmserve.handlers.openai.chat import parse_chat
+    from lmserve.handlers.openai.completions import parse_completion
 
     chat = {"model": "sql", "messages": [{"role": "user", "content": "Hi"}]}
     assert parse_chat(chat).params.adapter is None  # LoRA off: `model` is a label
@@ -195,8 +195,8 @@ def test_openai_model_names_an_adapter_only_with_lora_on():
 
 
 def test_cache_salt_is_read_on_every_route():
-    from lmserve.handlers.chat import parse_chat
-    from lmserve.handlers.openai_completions import parse_completion
+    from lmserve.handlers.openai.chat import parse_chat
+    from lmserve.handlers.openai.completions import parse_completion
 
     djl = {"inputs": "Hi", "parameters": {"cache_salt": "tenant-a"}}
     assert parse_payload(djl).params.cache_salt == "tenant-a"
@@ -213,8 +213,8 @@ def test_cache_salt_is_read_on_every_route():
 def test_only_openai_requests_that_ask_for_logprobs_get_them_computed():
     """The engine may pick a greedy token without its log-prob where the answer shows none:
     OpenAI's without `logprobs`; DJL's and TGI's token details always show them."""
-    from lmserve.handlers.chat import parse_chat
-    from lmserve.handlers.openai_completions import parse_completion
+    from lmserve.handlers.openai.chat import parse_chat
+    from lmserve.handlers.openai.completions import parse_completion
 
     chat = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0}
     assert parse_chat(chat).params.log_probs is False
@@ -228,8 +228,8 @@ def test_only_openai_requests_that_ask_for_logprobs_get_them_computed():
 def test_openai_routes_read_vllms_sampling_extensions():
     """vLLM's `ignore_eos` (benchmarks ask for exactly `max_tokens` tokens with it), `top_k`
     (-1 and 0 are off) and `repetition_penalty`, on both routes."""
-    from lmserve.handlers.chat import parse_chat
-    from lmserve.handlers.openai_completions import parse_completion
+    from lmserve.handlers.openai.chat import parse_chat
+    from lmserve.handlers.openai.completions import parse_completion
 
     chat = {"messages": [{"role": "user", "content": "Hi"}]}
     assert parse_chat(chat).params.ignore_eos is False
@@ -257,8 +257,8 @@ def test_openai_routes_read_vllms_sampling_extensions():
     ],
 )
 def test_openai_parameters_that_would_change_the_answer_are_refused_not_ignored(field, value):
-    from lmserve.handlers.chat import parse_chat
-    from lmserve.handlers.openai_completions import parse_completion
+    from lmserve.handlers.openai.chat import parse_chat
+    from lmserve.handlers.openai.completions import parse_completion
 
     with pytest.raises(BadRequest, match=field):
         parse_completion({"prompt": "Hi", field: value})
@@ -268,7 +268,7 @@ def test_openai_parameters_that_would_change_the_answer_are_refused_not_ignored(
 
 def test_openai_parameters_at_their_neutral_values_are_accepted():
     """Clients that send every field with its default (as SDKs may) are served."""
-    from lmserve.handlers.openai_completions import parse_completion
+    from lmserve.handlers.openai.completions import parse_completion
 
     neutral = {"logit_bias": {}, "best_of": 1, "suffix": "", "min_p": 0.0, "min_tokens": 0}
     neutral |= {"stop_token_ids": [], "use_beam_search": False}

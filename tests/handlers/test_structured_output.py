@@ -10,10 +10,10 @@ import json
 import llguidance
 import pytest
 
-from lmserve.handlers.chat import parse_chat
+from lmserve.handlers.djl.request_parsing import parse_payload
 from lmserve.handlers.job import BadRequest
-from lmserve.handlers.openai_completions import parse_completion
-from lmserve.handlers.request_parsing import parse_payload
+from lmserve.handlers.openai.chat import parse_chat
+from lmserve.handlers.openai.completions import parse_completion
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

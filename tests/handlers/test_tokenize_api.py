@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from lmserve.handlers.chat_template import ChatTemplate
-from lmserve.handlers.forwarding_handler import ForwardingHandler
+from lmserve.handlers.custom.forwarding_handler import ForwardingHandler
 from lmserve.handlers.interface import Route
+from lmserve.handlers.tokenizer import ChatTemplate
 from lmserve.properties.config import load_config
-from lmserve.rolling_batch.runtime import Runtime
+from lmserve.rolling_batch.ipc.runtime import Runtime
 
 from .test_llm_handler import call, make_handler
 from .test_llm_handler import tokenizer as tokenizer  # noqa: PLC0414 - the fixture

@@ -11,19 +11,19 @@ import textwrap
 
 import pytest
 
-from lmserve.handlers import djl_compat
-from lmserve.handlers.djl_io import Input, Output
-from lmserve.handlers.python_engine.custom_service import (
-    HandlerError,
-    RawRequest,
-    UserHandlerService,
-)
-from lmserve.handlers.user_code import (
+from lmserve.handlers.custom import djl_compat
+from lmserve.handlers.custom.djl_io import Input, Output
+from lmserve.handlers.custom.user_code import (
     EntryPoint,
     UserCodeError,
     defines_handle,
     find_entry_point,
     load,
+)
+from lmserve.handlers.python_engine.custom_service import (
+    HandlerError,
+    RawRequest,
+    UserHandlerService,
 )
 
 ECHO = """

@@ -38,8 +38,8 @@ def test_no_engine_configured_serves_the_rolling_batch_over_mpi_ranks(server):
     assert "no engine configured: serving with lmserve's rolling batch over MPI ranks" in start_up
     assert "engine=MPI (rolling_batch=auto)" in start_up
     workers = [command_line(pid) for pid in descendants(server.process.pid)]
-    assert any("lmserve.rolling_batch.worker" in command for command in workers)
-    assert not any("lmserve.handlers.python_engine.worker" in command for command in workers)
+    assert any("lmserve.rolling_batch.engine.process" in command for command in workers)
+    assert not any("lmserve.handlers.python_engine.process" in command for command in workers)
 
 
 def generate(server, parameters, **extra) -> requests.Response:

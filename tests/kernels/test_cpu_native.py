@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from lmserve.kernels import cpu_native
 from lmserve.kernels.kv_store import store_kv_reference
 from lmserve.kernels.paged_attention import paged_attention_reference
-from lmserve.rolling_batch.layers.norm_and_rotary import RMSNorm, StepRope
-from lmserve.rolling_batch.layers.quantized import (
+from lmserve.rolling_batch.model.layers.norm_and_rotary import RMSNorm, StepRope
+from lmserve.rolling_batch.model.layers.quantized import (
     Int4Weight,
     dequantize_int4,
     quantize_int4,

@@ -13,8 +13,8 @@ import torch
 
 from lmserve.kernels.weight_only_matmul import weight_only_matmul_reference
 from lmserve.kernels.weight_only_matmul_triton import weight_only_matmul
-from lmserve.rolling_batch.layers.quantized import dequantize_int8
-from lmserve.rolling_batch.layers.quantized_gpu import GpuInt4Weight, GpuInt8Weight
+from lmserve.rolling_batch.model.layers.quantized import dequantize_int8
+from lmserve.rolling_batch.model.layers.quantized_gpu import GpuInt4Weight, GpuInt8Weight
 
 from . import DEVICE
 

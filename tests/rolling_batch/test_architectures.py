@@ -10,11 +10,11 @@ import transformers
 
 from lmserve.kernels import cpu_native
 from lmserve.rolling_batch import LLM
-from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
-from lmserve.rolling_batch.layers.norm_and_rotary import rope_frequencies
-from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-from lmserve.rolling_batch.models import model_class_for
-from lmserve.rolling_batch.step import SequenceChunk
+from lmserve.rolling_batch.core.step import SequenceChunk
+from lmserve.rolling_batch.model.families import model_class_for
+from lmserve.rolling_batch.model.layers.norm_and_rotary import rope_frequencies
+from lmserve.rolling_batch.model.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model.runner_setup import RuntimeOptions, build_runner
 
 from ..conftest import TEST_CACHE_DIR
 from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
@@ -294,7 +294,7 @@ def test_int8_weights_give_hf_logits_on_the_dequantized_weights(variant, tmp_pat
     stay as they are), the embedding and the LM head (their inputs a multiple of 32 wide here)
     as HF computes on the same weights quantized and dequantized, whatever the family fuses or
     names them."""
-    from lmserve.rolling_batch.layers.quantized import dequantize_int8, quantize_int8
+    from lmserve.rolling_batch.model.layers.quantized import dequantize_int8, quantize_int8
 
     config_name, model_name, extra = VARIANTS[variant]
     sizes = dict(COMMON, **KV_HEADS, hidden_size=64, intermediate_size=96, num_attention_heads=4)
@@ -348,7 +348,11 @@ def test_a_hidden_size_int8_cannot_group_keeps_the_embedding_dense(tmp_path):
     ],
 )
 def test_lora_on_a_family_without_it_is_refused_before_start(variant, family, tmp_path):
-    from lmserve.rolling_batch.architectures import EngineRequest, UnservableModel, serving_path
+    from lmserve.rolling_batch.model.architectures import (
+        EngineRequest,
+        UnservableModel,
+        serving_path,
+    )
 
     config_name, model_name, extra = VARIANTS[variant]
     save_tiny(tmp_path, config_name, model_name, extra)
@@ -364,7 +368,7 @@ def test_falcons_original_refined_web_checkpoints_are_served_natively(variant, t
     runs only when trusted; the weights under the same names. Served as Falcon, no code run."""
     import json
 
-    from lmserve.rolling_batch.architectures import serving_path
+    from lmserve.rolling_batch.model.architectures import serving_path
 
     hf_model = save_tiny(tmp_path, *VARIANTS[variant])
     fields = json.loads((tmp_path / "config.json").read_text())
@@ -403,7 +407,7 @@ def test_a_quantized_checkpoint_no_loader_reads_is_refused_before_start(variant,
     inside the engine once the server was up)."""
     import json
 
-    from lmserve.rolling_batch.architectures import UnservableModel, serving_path
+    from lmserve.rolling_batch.model.architectures import UnservableModel, serving_path
 
     save_tiny(tmp_path, *VARIANTS[variant])
     config = json.loads((tmp_path / "config.json").read_text())

@@ -6,9 +6,9 @@ check_invariants()."""
 
 from __future__ import annotations
 
-from lmserve.rolling_batch.block_manager import BlockManager
-from lmserve.rolling_batch.protocol import GenerationParams
-from lmserve.rolling_batch.request import Request
+from lmserve.rolling_batch.core.block_manager import BlockManager
+from lmserve.rolling_batch.core.request import Request
+from lmserve.rolling_batch.ipc.protocol import GenerationParams
 
 BLOCK = 4
 

@@ -2,7 +2,7 @@
 
 import json
 
-from lmserve.rolling_batch.context_length import context_length, context_length_of
+from lmserve.rolling_batch.model.context_length import context_length, context_length_of
 
 
 def test_option_wins_over_the_model_config():

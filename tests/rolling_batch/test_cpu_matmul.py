@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.kernels import cpu_native
-from lmserve.rolling_batch.layers.cpu_matmul import (
+from lmserve.rolling_batch.model.layers.cpu_matmul import (
     NativeGatedWeight,
     NativeLinearWeight,
     PackedWeight,
     try_pack,
 )
-from lmserve.rolling_batch.layers.linear import MergedColumnLinear, RowLinear
-from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model.layers.linear import MergedColumnLinear, RowLinear
+from lmserve.rolling_batch.model.layers.parallel import TensorParallelGroup
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

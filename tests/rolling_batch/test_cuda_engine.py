@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lmserve.rolling_batch import protocol
+from lmserve.rolling_batch.ipc import protocol
 from lmserve.rolling_batch.llm import LocalEngine, engine_config
 
 from ..conftest import save_tiny_llama

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.rolling_batch.mpi_launch import engine_environment
+from lmserve.rolling_batch.engine.mpi_launch import engine_environment
 
 
 def _transparent_huge_pages() -> str:

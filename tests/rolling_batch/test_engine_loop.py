@@ -18,16 +18,17 @@ import torch
 import zmq
 from msgspec.msgpack import encode as pack
 
-from lmserve.rolling_batch import protocol, rolling_core
-from lmserve.rolling_batch.block_manager import BlockManager
-from lmserve.rolling_batch.engine_shell import EngineShell
-from lmserve.rolling_batch.engine_stats import PHASES, PhaseTimer, StepProfile, StepTrace
-from lmserve.rolling_batch.model_runner import PromptScores, StepLogits
-from lmserve.rolling_batch.protocol import GenerationParams
-from lmserve.rolling_batch.rolling_core import RollingBatchCore
-from lmserve.rolling_batch.sampler import Sampler
-from lmserve.rolling_batch.scheduler import Scheduler
-from lmserve.rolling_batch.speculation import NgramDrafter
+from lmserve.rolling_batch.core.block_manager import BlockManager
+from lmserve.rolling_batch.core.scheduler import Scheduler
+from lmserve.rolling_batch.core.speculation import NgramDrafter
+from lmserve.rolling_batch.engine import rolling_core
+from lmserve.rolling_batch.engine.rolling_core import RollingBatchCore
+from lmserve.rolling_batch.engine.sampler import Sampler
+from lmserve.rolling_batch.engine.shell import EngineShell
+from lmserve.rolling_batch.engine.stats import PHASES, PhaseTimer, StepProfile, StepTrace
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.protocol import GenerationParams
+from lmserve.rolling_batch.model.runner import PromptScores, StepLogits
 
 VOCAB = 64
 

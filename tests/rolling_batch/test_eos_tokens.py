@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lmserve.rolling_batch.eos_tokens import eos_token_ids
+from lmserve.rolling_batch.model.eos_tokens import eos_token_ids
 
 
 @pytest.fixture

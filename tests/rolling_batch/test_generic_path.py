@@ -1,4 +1,4 @@
-"""The generic path (rolling_batch/models/generic.py): families with no native module run as
+"""The generic path (rolling_batch/model/families/generic.py): families with no native module run as
 their own transformers modules over lmserve's paged attention, giving HF's logits and greedy
 tokens; what it cannot run is refused before anything starts, naming why and the alternative."""
 
@@ -9,7 +9,8 @@ import torch
 import transformers
 
 from lmserve.rolling_batch import LLM
-from lmserve.rolling_batch.architectures import (
+from lmserve.rolling_batch.core.step import SequenceChunk
+from lmserve.rolling_batch.model.architectures import (
     GENERIC_TESTED,
     NATIVE_ARCHITECTURES,
     EngineRequest,
@@ -17,10 +18,9 @@ from lmserve.rolling_batch.architectures import (
     UnservableModel,
     serving_path,
 )
-from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
-from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-from lmserve.rolling_batch.models.generic import GenericCausalLM
-from lmserve.rolling_batch.step import SequenceChunk
+from lmserve.rolling_batch.model.families.generic import GenericCausalLM
+from lmserve.rolling_batch.model.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model.runner_setup import RuntimeOptions, build_runner
 
 from ..conftest import TEST_CACHE_DIR
 from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
@@ -169,7 +169,7 @@ def test_what_the_generic_path_cannot_run_is_refused_before_start(case, tmp_path
 def test_attention_sinks_stop_the_load_naming_them():
     """GPT-OSS passes its sinks (s_aux) to the attention function; the paged kernels would
     drop them, so the load stops naming them (as does start-up, by model type)."""
-    from lmserve.rolling_batch.models import generic
+    from lmserve.rolling_batch.model.families import generic
 
     generic._register()
     config = transformers.GptOssConfig(

@@ -1,9 +1,10 @@
 """option.quantize=int4 on the embedded GGUF (SmolLM2-135M Q4_1, its embedding Q8_0) serves the
-file's own codes. The Q4_1 linears are read from the file (rolling_batch/gguf_weights.py): their
-codes, scales and zeros are the file's weights exactly until the kernel rounds the scale d and
-the zero m + 8d to bf16. Quantizing the converted fp32 weights again (what a model converted
-before the file was recorded gets) also gives back every Q4_1 code, with d within 2^-8; and
-every Q8_0 code and scale of the embedding exactly (fp32 scales)."""
+file's own codes. The Q4_1 linears are read from the file
+(rolling_batch/model/weights/gguf_weights.py): their codes, scales and zeros are the file's
+weights exactly until the kernel rounds the scale d and the zero m + 8d to bf16. Quantizing the
+converted fp32 weights again (what a model converted before the file was recorded gets) also
+gives back every Q4_1 code, with d within 2^-8; and every Q8_0 code and scale of the embedding
+exactly (fp32 scales)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lmserve.rolling_batch.gguf_convert import embedded_gguf, gguf_source
-from lmserve.rolling_batch.gguf_weights import read_int4_linears, read_int8_matrices
-from lmserve.rolling_batch.layers.quantized import quantize_int4, quantize_int8
-from lmserve.rolling_batch.model_loader import load_hf_config
+from lmserve.rolling_batch.model.layers.quantized import quantize_int4, quantize_int8
+from lmserve.rolling_batch.model.weights.gguf_convert import embedded_gguf, gguf_source
+from lmserve.rolling_batch.model.weights.gguf_weights import read_int4_linears, read_int8_matrices
+from lmserve.rolling_batch.model.weights.loader import load_hf_config
 
 # GGUF names whose rows keep HF's order (llama.cpp permutes Q and K rows for its rotary).
 HF_NAMES = {
@@ -225,8 +226,8 @@ def test_a_shard_that_would_split_q8_0_groups_takes_the_dense_weight():
     take the file's codes."""
     from transformers import LlamaConfig
 
-    from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-    from lmserve.rolling_batch.models.llama import LlamaForCausalLM
+    from lmserve.rolling_batch.model.families.llama import LlamaForCausalLM
+    from lmserve.rolling_batch.model.layers.parallel import TensorParallelGroup
 
     class RankZeroOfTwo(TensorParallelGroup):
         world_size = 2

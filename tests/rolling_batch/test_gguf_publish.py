@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmserve.rolling_batch.gguf_convert import publish
+from lmserve.rolling_batch.model.weights.gguf_convert import publish
 
 
 def finished_conversion(folder, marker: str):

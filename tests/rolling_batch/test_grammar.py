@@ -16,20 +16,20 @@ import pytest
 import torch
 import zmq
 
+from lmserve.handlers.agents.structured_output import json_schema_grammar, tgi_grammar
 from lmserve.handlers.python_engine.hf_engine import HFEngine
-from lmserve.handlers.structured_output import json_schema_grammar, tgi_grammar
 from lmserve.handlers.tokenizer import Tokenizer
-from lmserve.rolling_batch import protocol
-from lmserve.rolling_batch.block_manager import BlockManager
-from lmserve.rolling_batch.engine_shell import EngineShell
-from lmserve.rolling_batch.grammar import GrammarCompiler, GrammarError
-from lmserve.rolling_batch.model_runner import StepLogits
-from lmserve.rolling_batch.protocol import GenerationParams
-from lmserve.rolling_batch.request import Request
-from lmserve.rolling_batch.rolling_core import RollingBatchCore
-from lmserve.rolling_batch.sampler import Sampler
-from lmserve.rolling_batch.scheduler import Scheduler
-from lmserve.rolling_batch.speculation import NgramDrafter
+from lmserve.rolling_batch.core.block_manager import BlockManager
+from lmserve.rolling_batch.core.grammar import GrammarCompiler, GrammarError
+from lmserve.rolling_batch.core.request import Request
+from lmserve.rolling_batch.core.scheduler import Scheduler
+from lmserve.rolling_batch.core.speculation import NgramDrafter
+from lmserve.rolling_batch.engine.rolling_core import RollingBatchCore
+from lmserve.rolling_batch.engine.sampler import Sampler
+from lmserve.rolling_batch.engine.shell import EngineShell
+from lmserve.rolling_batch.ipc import protocol
+from lmserve.rolling_batch.ipc.protocol import GenerationParams
+from lmserve.rolling_batch.model.runner import StepLogits
 
 VOCAB = 49152  # SmolLM2's
 EOS = 2

@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from lmserve.kernels import cpu_native
-from lmserve.rolling_batch.block_manager import BlockManager
-from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
-from lmserve.rolling_batch.layers.cpu_matmul import NativeLinearWeight
-from lmserve.rolling_batch.layers.greedy_head import GreedyHead
-from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-from lmserve.rolling_batch.protocol import GenerationParams
-from lmserve.rolling_batch.request import Request
-from lmserve.rolling_batch.scheduler import Scheduler
-from lmserve.rolling_batch.step import SequenceChunk
+from lmserve.rolling_batch.core.block_manager import BlockManager
+from lmserve.rolling_batch.core.request import Request
+from lmserve.rolling_batch.core.scheduler import Scheduler
+from lmserve.rolling_batch.core.step import SequenceChunk
+from lmserve.rolling_batch.ipc.protocol import GenerationParams
+from lmserve.rolling_batch.model.layers.cpu_matmul import NativeLinearWeight
+from lmserve.rolling_batch.model.layers.greedy_head import GreedyHead
+from lmserve.rolling_batch.model.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model.runner_setup import RuntimeOptions, build_runner
 
 from .test_model_logits import PROMPTS
 

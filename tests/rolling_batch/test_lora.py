@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from lmserve.rolling_batch import LLM
-from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-from lmserve.rolling_batch.lora_adapters import linear_shapes, load_adapter
-from lmserve.rolling_batch.model_loader import load_hf_config
+from lmserve.rolling_batch.lora.adapters import linear_shapes, load_adapter
+from lmserve.rolling_batch.model.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model.weights.loader import load_hf_config
 
 from ..conftest import TEST_CACHE_DIR, save_tiny_llama
 from ..hf_reference import VARIED_PROMPTS, assert_same_or_near_tie, hf_greedy_alone
@@ -195,7 +195,7 @@ def test_slots_are_reused_without_leftovers(lora_model_dir):
 def test_the_weights_digest_follows_the_files_read(lora_model_dir, tmp_path):
     """What the prefix cache roots an adapter's blocks at: a digest of the weights as read,
     none while the next step would read them first, another one once the files changed."""
-    from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
+    from lmserve.rolling_batch.model.runner_setup import RuntimeOptions, build_runner
 
     model_dir = shutil.copytree(lora_model_dir, tmp_path / "model")
     options = RuntimeOptions(
@@ -265,8 +265,8 @@ def test_smollm2_adapters_match_peft(smollm2_lora_dir):
 def test_memory_for_the_adapters_is_taken_before_the_kv_cache_is_sized(lora_model_dir, monkeypatch):
     """max_cpu_loras adapters of the largest rank fit what is set aside for them, and that much
     less goes to the KV cache."""
-    from lmserve.rolling_batch import kv_cache
-    from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
+    from lmserve.rolling_batch.model import kv_cache
+    from lmserve.rolling_batch.model.runner_setup import RuntimeOptions, build_runner
 
     budget = 64 * 2**20
     monkeypatch.setattr(kv_cache, "memory_budget", lambda *args: budget)

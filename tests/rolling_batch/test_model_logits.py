@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lmserve.kernels import cpu_native
-from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
-from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-from lmserve.rolling_batch.step import SequenceChunk
+from lmserve.rolling_batch.core.step import SequenceChunk
+from lmserve.rolling_batch.model.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model.runner_setup import RuntimeOptions, build_runner
 
 MAX_MODEL_LEN = 64
 PROMPTS = {

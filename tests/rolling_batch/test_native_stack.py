@@ -1,6 +1,6 @@
-"""The C++ decoder stack (rolling_batch/models/native_stack.py) serves fp32 models on one rank
-and gives exactly the bits the Python layers give, step after step over the caches it fills;
-models whose layers need Python keep the Python layers. Its agreement with HF is
+"""The C++ decoder stack (rolling_batch/model/families/native_stack.py) serves fp32 models on
+one rank and gives exactly the bits the Python layers give, step after step over the caches it
+fills; models whose layers need Python keep the Python layers. Its agreement with HF is
 test_model_logits' and test_architectures' (they run through it)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from lmserve.kernels import cpu_native
-from lmserve.rolling_batch import model_runner
-from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
-from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-from lmserve.rolling_batch.step import SequenceChunk
+from lmserve.rolling_batch.core.step import SequenceChunk
+from lmserve.rolling_batch.model import runner as model_runner
+from lmserve.rolling_batch.model.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model.runner_setup import RuntimeOptions, build_runner
 
 from .test_architectures import VARIANTS, save_tiny
 from .test_model_logits import MAX_MODEL_LEN, run_steps

@@ -6,10 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmserve.rolling_batch.out_of_memory import failure_status, is_out_of_memory, largest_chunk
-from lmserve.rolling_batch.protocol import GenerationParams
-from lmserve.rolling_batch.request import Request
-from lmserve.rolling_batch.step import SequenceChunk
+from lmserve.rolling_batch.core.request import Request
+from lmserve.rolling_batch.core.step import SequenceChunk
+from lmserve.rolling_batch.engine.out_of_memory import (
+    failure_status,
+    is_out_of_memory,
+    largest_chunk,
+)
+from lmserve.rolling_batch.ipc.protocol import GenerationParams
 
 
 def allocation_failure() -> Exception:

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from lmserve.rolling_batch import LLM
-from lmserve.rolling_batch.kv_cache import CacheShape, plan_num_blocks
-from lmserve.rolling_batch.layers.parallel import HeadShard, balanced_split, shard_heads
-from lmserve.rolling_batch.mpi_worker import rendezvous_address
+from lmserve.rolling_batch.engine.ranks import rendezvous_address
+from lmserve.rolling_batch.model.kv_cache import CacheShape, plan_num_blocks
+from lmserve.rolling_batch.model.layers.parallel import HeadShard, balanced_split, shard_heads
 
 from ..conftest import TEST_CACHE_DIR
 

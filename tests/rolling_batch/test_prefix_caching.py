@@ -10,12 +10,12 @@ import random
 
 import pytest
 
-from lmserve.rolling_batch import prefix_cache
-from lmserve.rolling_batch.block_manager import BlockManager
-from lmserve.rolling_batch.protocol import GenerationParams
-from lmserve.rolling_batch.request import Request
-from lmserve.rolling_batch.scheduler import Scheduler
-from lmserve.rolling_batch.step import Sample
+from lmserve.rolling_batch.core import prefix_cache
+from lmserve.rolling_batch.core.block_manager import BlockManager
+from lmserve.rolling_batch.core.request import Request
+from lmserve.rolling_batch.core.scheduler import Scheduler
+from lmserve.rolling_batch.core.step import Sample
+from lmserve.rolling_batch.ipc.protocol import GenerationParams
 
 from .test_scheduler import EOS, expected_outputs, fake_next_token, fresh
 

@@ -1,6 +1,6 @@
 """AWQ and GPTQ checkpoints made here from a tiny Llama, packed as the formats document it
-(AutoAWQ's GEMM layout, AutoGPTQ's layout, rolling_batch/quantized_checkpoint.py), served by
-the native runtime: logits and greedy tokens against HF transformers on the same weights
+(AutoAWQ's GEMM layout, AutoGPTQ's layout, rolling_batch/model/weights/quantized_checkpoint.py),
+served by the native runtime: logits and greedy tokens against HF transformers on the same weights
 dequantized, and clear errors for what is not served.
 
 Tolerance: as for option.quantize=int4 (test_quantized_model.py), the kernel rounds each
@@ -21,11 +21,11 @@ from transformers import AutoModelForCausalLM
 
 from lmserve.kernels import cpu_native
 from lmserve.rolling_batch import LLM
-from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
-from lmserve.rolling_batch.layers import quantized
-from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-from lmserve.rolling_batch.model_loader import load_hf_config, load_model
-from lmserve.rolling_batch.quantized_checkpoint import read_quantization, unpack_int4
+from lmserve.rolling_batch.model.layers import quantized
+from lmserve.rolling_batch.model.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model.runner_setup import RuntimeOptions, build_runner
+from lmserve.rolling_batch.model.weights.loader import load_hf_config, load_model
+from lmserve.rolling_batch.model.weights.quantized_checkpoint import read_quantization, unpack_int4
 
 from ..conftest import TEST_CACHE_DIR, save_tiny_llama
 from ..hf_reference import VARIED_PROMPTS, assert_same_or_near_tie, hf_greedy_alone

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from lmserve.kernels import cpu_native
-from lmserve.rolling_batch.layers import quantized
-from lmserve.rolling_batch.layers.linear import RowLinear
-from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-from lmserve.rolling_batch.layers.quantized import (
+from lmserve.rolling_batch.model.layers import quantized
+from lmserve.rolling_batch.model.layers.linear import RowLinear
+from lmserve.rolling_batch.model.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model.layers.quantized import (
     GROUP_SIZE,
     Int4Weight,
     Int8Weight,

@@ -18,17 +18,17 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from lmserve.rolling_batch import LLM
-from lmserve.rolling_batch.engine_setup import RuntimeOptions, build_runner
-from lmserve.rolling_batch.gguf_convert import gguf_source
-from lmserve.rolling_batch.layers import quantized
-from lmserve.rolling_batch.layers.parallel import TensorParallelGroup
-from lmserve.rolling_batch.layers.quantized import (
+from lmserve.rolling_batch.model.layers import quantized
+from lmserve.rolling_batch.model.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model.layers.quantized import (
     dequantize_int4,
     dequantize_int8,
     quantize_int4,
     quantize_int8,
 )
-from lmserve.rolling_batch.layers.quantized_gpu import GpuInt8Weight
+from lmserve.rolling_batch.model.layers.quantized_gpu import GpuInt8Weight
+from lmserve.rolling_batch.model.runner_setup import RuntimeOptions, build_runner
+from lmserve.rolling_batch.model.weights.gguf_convert import gguf_source
 
 from ..conftest import TEST_CACHE_DIR
 from ..hf_reference import VARIED_PROMPTS, assert_same_or_near_tie, hf_greedy_alone

@@ -12,9 +12,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from lmserve.rolling_batch.protocol import GenerationParams
-from lmserve.rolling_batch.request import Request
-from lmserve.rolling_batch.sampler import Sampler, _filter_rows, _penalize_rows, _RowState
+from lmserve.rolling_batch.core.request import Request
+from lmserve.rolling_batch.engine.sampler import Sampler, _filter_rows, _penalize_rows, _RowState
+from lmserve.rolling_batch.ipc.protocol import GenerationParams
 
 
 def _penalize_repetition(row: torch.Tensor, token_ids: list[int], penalty: float) -> None:

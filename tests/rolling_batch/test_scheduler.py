@@ -8,11 +8,11 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
-from lmserve.rolling_batch.block_manager import BlockManager
-from lmserve.rolling_batch.protocol import GenerationParams
-from lmserve.rolling_batch.request import Request
-from lmserve.rolling_batch.scheduler import Scheduler
-from lmserve.rolling_batch.step import Sample
+from lmserve.rolling_batch.core.block_manager import BlockManager
+from lmserve.rolling_batch.core.request import Request
+from lmserve.rolling_batch.core.scheduler import Scheduler
+from lmserve.rolling_batch.core.step import Sample
+from lmserve.rolling_batch.ipc.protocol import GenerationParams
 
 EOS = 2
 

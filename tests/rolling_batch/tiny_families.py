@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from lmserve.rolling_batch.step import SequenceChunk
+from lmserve.rolling_batch.core.step import SequenceChunk
 
 # Sizes every family takes (KV heads, head_dim and the family's own switches come with it).
 COMMON = dict(

@@ -1,0 +1,1 @@
+"""OpenAI's dialect: chat completions and completions, and vLLM's /tokenize and /detokenize."""
