@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lmserve.rolling_batch.core.grammar import GrammarCompiler
 from lmserve.rolling_batch.ipc.protocol import GenerationParams, TopLogprobs, adapter_refusal
@@ -33,7 +33,7 @@ from lmserve.rolling_batch.model.weights.loader import load_hf_config, resolve_d
 from lmserve.rolling_batch.model.weights.quantized_checkpoint import quantization_config
 
 from . import hf_lora
-from .hf_grammar import GrammarLogitsProcessor
+from .hf_grammar import GrammarLogitsProcessor, GrammarRows, GrammarStoppingCriteria
 
 log = logging.getLogger(__name__)
 
@@ -143,12 +143,17 @@ class HFEngine:
         first = params[0]
         if first.do_sample and first.seed is not None:
             torch.manual_seed(first.seed)
+        rows = self._grammar_rows(params)
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
             generation_config=self._generation_config(first, max(p.max_new_tokens for p in params)),
-            logits_processor=self._grammar_processor(params),
+            logits_processor=None if rows is None else [GrammarLogitsProcessor(rows)],
+            stopping_criteria=(
+                None if rows is None else [GrammarStoppingCriteria(rows, input_ids.shape[1])]
+            ),
         )
+        grammar_ends = {} if rows is None else rows.ended_at
         # scores: one (batch, vocab) tensor per step, after repetition penalty/temperature/top-k.
         log_probs = torch.stack(out.scores, dim=1).float().log_softmax(dim=-1)
         new_tokens = out.sequences[:, input_ids.shape[1] :]
@@ -159,7 +164,7 @@ class HFEngine:
         generations = []
         for row, row_params in enumerate(params):
             tokens = new_tokens[row].tolist()
-            length, reason = self._cut(tokens, row_params)
+            length, reason = self._cut(tokens, row_params, grammar_ends.get(row))
             top_lists = None
             if row_params.top_logprobs > 0:
                 values, ids = top[0][row, :length], top[1][row, :length]
@@ -171,15 +176,15 @@ class HFEngine:
             )
         return generations
 
-    def _grammar_processor(self, params: list[GenerationParams]) -> LogitsProcessorList | None:
-        """The rows' structured outputs as a logits processor; None when no row has one."""
+    def _grammar_rows(self, params: list[GenerationParams]) -> GrammarRows | None:
+        """The rows' structured outputs; None when no row has one."""
         if all(p.grammar is None for p in params):
             return None
         if self.grammars is None:
             raise ValueError("this engine does not serve structured outputs")
         states = [None if p.grammar is None else self.grammars.state_for(p.grammar) for p in params]
         grammars = [None if state is None else state.result() for state in states]
-        return LogitsProcessorList([GrammarLogitsProcessor(grammars, self.eos_token_ids)])
+        return GrammarRows(grammars, self.eos_token_ids)
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, attention_mask) with every row's last token in the last column."""
@@ -243,9 +248,15 @@ class HFEngine:
             **sampling,
         )
 
-    def _cut(self, tokens: list[int], params: GenerationParams) -> tuple[int, str]:
-        """How many of `tokens` the request keeps, and why it ended there."""
+    def _cut(
+        self, tokens: list[int], params: GenerationParams, grammar_end: int | None = None
+    ) -> tuple[int, str]:
+        """How many of `tokens` the request keeps, and why it ended there; `grammar_end`: the
+        tokens after which its grammar allowed nothing more (the rolling batch ends there as
+        at an EOS token)."""
         length = min(len(tokens), params.max_new_tokens)
+        if grammar_end is not None and grammar_end <= length:
+            return grammar_end, "eos_token"  # no EOS comes before it: the grammar forbids one
         if not params.ignore_eos:
             for index, token in enumerate(tokens[:length]):
                 if token in self.eos_token_ids:

@@ -212,3 +212,17 @@ def test_engine_python_masks_its_constrained_rows(tiny_model_dir, tokenizer):
     assert record.finish_reason == "eos_token"
     (alone,) = engine.generate(prompts[1:], [free_params])
     assert free.token_ids == alone.token_ids
+
+
+def test_engine_python_ends_an_answer_where_its_grammar_ends(tiny_model_dir, tokenizer):
+    """As the rolling batch does: a complete answer ends there even with ignore_eos, and a
+    free row beside it runs on to max_new_tokens."""
+    engine = HFEngine.load(str(tiny_model_dir), "fp32")
+    prompts = [tokenizer.encode("Call me at"), tokenizer.encode("Hello")]
+    phone = GenerationParams(max_new_tokens=30, ignore_eos=True, grammar=regex_grammar(PHONE))
+    free = GenerationParams(max_new_tokens=30, ignore_eos=True)
+    answered, running = engine.generate(prompts, [phone, free])
+    assert re.fullmatch(PHONE, tokenizer.decode(answered.token_ids))
+    assert answered.finish_reason == "eos_token"
+    assert len(answered.log_probs) == len(answered.token_ids) < 30
+    assert len(running.token_ids) == 30 and running.finish_reason == "length"
