@@ -50,7 +50,7 @@ class Chunk:
 @dataclass(frozen=True)
 class TracedStep:
     chunks: tuple[Chunk, ...]
-    phases: dict[str, float]  # seconds (engine_stats.PHASES)
+    phases: dict[str, float]  # seconds (engine/stats.py: PHASES)
 
     @property
     def rows(self) -> int:

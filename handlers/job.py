@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .agents.tool_calls import ToolChoice
 
 
-# n and best_of: the sequences one prompt may ask for.
+# Sequences one input may ask for (`n`, `best_of`; OpenAI's `n`): each is a place in the batch.
 MAX_SEQUENCES = 16
 
 

@@ -1,6 +1,6 @@
 """What gives a job's answer its dialect's shape. One implementation per dialect: DJL's JSON,
-jsonlines and SSE, TGI's (djl_answers.py), OpenAI chat (chat.py), OpenAI completions
-(openai_completions.py) and a model.py's output formatter (formatters.py). The Predictor
+jsonlines and SSE, TGI's (djl/answers.py), OpenAI chat (openai/chat.py), OpenAI completions
+(openai/completions.py) and a model.py's output formatter (custom/formatters.py). The Predictor
 hands a responder the finished completions of a whole answer, or a stream's tokens one by
 one."""
 

@@ -6,7 +6,7 @@
 
 The LLM is a client of the server's engine over the same typed protocol: every prompt is a
 GenerateRequest, answered by a FinalEvent (or an ErrorEvent). With one rank the engine shell
-and the rolling batch run in this process (worker.build_rolling_core); with
+and the rolling batch run in this process (engine/process.py: build_rolling_core); with
 `tensor_parallel_degree > 1` it starts the MPI ranks as the server does (engine/process.py, in a
 private directory) and talks to rank 0 over their socket, stopping them on `close()` (or
 leaving the `with`).
@@ -182,9 +182,16 @@ class LocalEngine:
     def run(self, requests: list[protocol.GenerateRequest]) -> dict[str, Answer]:
         for request in requests:
             self.shell.handle(_CLIENT, request)
-        self.shell.outbox.flush()
-        while self.shell.core.seconds_until_work(time.monotonic()) is not None:
-            self.shell.turn()
+        try:
+            while self.shell.core.seconds_until_work(time.monotonic()) is not None:
+                self.shell.turn()
+        except BaseException:
+            # Interrupted (Ctrl-C, a failed step): none of this call's requests stays behind
+            # to run, or to answer, in the next call.
+            for request in requests:
+                self.shell.handle(_CLIENT, protocol.AbortRequest(request.id))
+            self._inbox.take()
+            raise
         return self._inbox.take()
 
     def close(self) -> None:

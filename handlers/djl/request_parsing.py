@@ -29,7 +29,6 @@ from ..job import MAX_SEQUENCES, BadRequest, Dialect, FieldReader, GenerationJob
 # The formats a request may name in `parameters.output_formatter` (a model.py's function is
 # chosen by the server's configuration, never by a client).
 OUTPUT_FORMATS = ("json", "jsonlines", "sse")
-# Sequences one input may ask for (`n`, `best_of`; OpenAI's `n`): each is a place in the batch.
 
 log = logging.getLogger(__name__)
 

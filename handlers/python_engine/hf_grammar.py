@@ -28,7 +28,10 @@ class GrammarRows:
             if grammar is None:
                 continue
             if token in self.eos_token_ids:
-                self.grammars[row] = None  # generate ends the row itself, and pads it
+                # Allowed only where the grammar may end: the answer ends here, EOS kept, even
+                # with ignore_eos (as the rolling scheduler ends it).
+                self.grammars[row] = None
+                self.ended_at[row] = num_generated
                 continue
             grammar.accept(token)
             if grammar.is_finished:

@@ -85,7 +85,7 @@ def remove_adapter(model, peft_name: str):
 
 def adaptable_linears(model) -> dict[str, tuple[int, int]]:
     """{HF module name: (out, in)} of the model's linears an adapter may modify: for the Llama
-    family exactly `lora_adapters.linear_shapes(config)`, read off the model so another
+    family exactly `lora.adapters.linear_shapes(config)`, read off the model so another
     architecture's adapters are refused by the checks rather than crash them. Under PEFT, read
     off the model it wraps (a linear an adapter modifies is PEFT's layer around it)."""
     if hasattr(model, "peft_config"):

@@ -17,12 +17,12 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------
 // A Llama-family decoder stack on one rank with packed weights: LlamaModel.forward's
-// ops (rolling_batch/models/llama.py) in the same order on the same tensors, called from here
-// instead of from Python. Between a layer's ~10 ops Python spent 1.5 ms a step with warm
+// ops (rolling_batch/model/families/llama.py) in the same order on the same tensors, called
+// from here instead of from Python. Between a layer's ~10 ops Python spent 1.5 ms a step with warm
 // caches but 4.5 ms in a real step, where the weight stream evicts the interpreter's working
 // set every layer: 18% of a batch-1 decode step on a 2-core Xeon, 12% at batch 32.
 
-// A linear in oneDNN's blocked layout, as rolling_batch/layers/cpu_matmul.py's PackedWeight
+// A linear in oneDNN's blocked layout, as rolling_batch/model/layers/cpu_matmul.py's PackedWeight
 // calls it (the same op, so the same bits).
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias) {
@@ -112,7 +112,7 @@ class DecoderStack {
     return at::cat(outputs);
   }
 
-  // The LM head that greedy decodes read (GreedyHead in rolling_batch/layers/greedy_head.py):
+  // The LM head that greedy decodes read (GreedyHead in rolling_batch/model/layers/greedy_head.py):
   // `approx` its weight's bf16 panels (pack_linear_weight of the bf16 copy), `weight` [vocab,
   // in] fp32 and `norms` each row's L2 norm rounded up, as greedy_head_pick takes them.
   void set_greedy_head(at::Tensor approx, at::Tensor weight, at::Tensor norms) {

@@ -32,7 +32,7 @@ class RuntimeOptions:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # pins the pool instead of the memory budget
     trust_remote_code: bool = False
-    quantize: str | None = None  # option.quantize (model_loader.load_model)
+    quantize: str | None = None  # option.quantize (model/weights/loader.py: load_model)
     model_impl: str = "auto"  # option.model_impl: "transformers" takes the generic path
     # LoRA adapters from <model dir>/adapters/ (lora/manager.py); the option.* names.
     enable_lora: bool = False

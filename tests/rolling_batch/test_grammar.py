@@ -226,3 +226,18 @@ def test_engine_python_ends_an_answer_where_its_grammar_ends(tiny_model_dir, tok
     assert answered.finish_reason == "eos_token"
     assert len(answered.log_probs) == len(answered.token_ids) < 30
     assert len(running.token_ids) == 30 and running.finish_reason == "length"
+
+
+def test_engine_python_ends_an_answer_at_an_eos_its_grammar_allows(compiler, tokenizer):
+    """A grammar that may end or go on ([0-9]+): an EOS it allows after "42" ends the answer
+    there, EOS kept, also with ignore_eos (as in the rolling batch); a row whose grammar still
+    runs goes on."""
+    from lmserve.handlers.python_engine.hf_grammar import GrammarRows
+
+    digits = [compiler.state_for(regex_grammar("[0-9]+")).result() for _ in range(2)]
+    rows = GrammarRows(digits, {EOS})
+    for position, token in enumerate(tokenizer.encode("42", add_special_tokens=False), 1):
+        rows.take([token, token], position)
+    rows.take([EOS, tokenizer.encode("7", add_special_tokens=False)[0]], 3)
+    assert rows.ended_at == {0: 3} and rows.grammars[0] is None
+    assert rows.grammars[1] is not None
