@@ -78,13 +78,14 @@ def resolve_model(config: ServingConfig, model_dir: Path | None, cache_dir: Path
             quantize=config.quantize,
             enable_lora=config.enable_lora,
             model_impl=config.model_impl,
+            load_format=config.load_format,
         )
 
         def check(path: Path) -> None:
             decided.append(serving_path(path, wanted))
 
     if config.model_id is None:
-        model = _from_model_dir(model_dir, cache_dir, check)
+        model = _from_model_dir(model_dir, cache_dir, check, config.load_format != "dummy")
     else:
         model = _from_model_id(config, folder, cache_dir, check)
         if folder != model_dir:  # DJL names a model store's model after its folder
@@ -97,22 +98,24 @@ def _from_model_id(
 ) -> ResolvedModel:
     model_id = config.model_id
     name = model_id.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
+    needs_weights = config.load_format != "dummy"
     if model_id.startswith("s3://"):
         folder = download_s3_folder(model_id, cache_dir)
-        return ResolvedModel(as_hf_dir(folder, cache_dir, check), name, model_id)
+        return ResolvedModel(as_hf_dir(folder, cache_dir, check, needs_weights), name, model_id)
     local = Path(model_id)
     if not local.is_absolute() and model_dir is not None and (model_dir / local).exists():
         local = model_dir / local  # DJL resolves relative model_ids against the model dir
     if local.exists():
-        return ResolvedModel(as_hf_dir(local, cache_dir, check), name, str(local))
+        return ResolvedModel(as_hf_dir(local, cache_dir, check, needs_weights), name, str(local))
     if model_id.startswith(("/", ".")) or model_id.endswith(".gguf"):
         raise ModelStoreError(f"option.model_id={model_id!r}: no such file or directory")
     snapshot = _from_hub(model_id, config.revision)
-    return ResolvedModel(as_hf_dir(snapshot, cache_dir, check), name, f"hub {model_id}")
+    hf_dir = as_hf_dir(snapshot, cache_dir, check, needs_weights)
+    return ResolvedModel(hf_dir, name, f"hub {model_id}")
 
 
 def _from_model_dir(
-    model_dir: Path | None, cache_dir: Path, check: ArchitectureCheck | None
+    model_dir: Path | None, cache_dir: Path, check: ArchitectureCheck | None, needs_weights: bool
 ) -> ResolvedModel:
     if model_dir is None:
         return _embedded(cache_dir, check)
@@ -121,11 +124,13 @@ def _from_model_dir(
         # exists); serving the embedded model for a typo would be a silent wrong answer.
         raise ModelStoreError(f"model dir {model_dir}: no such directory")
     if holds_model_files(model_dir):
-        return ResolvedModel(as_hf_dir(model_dir, cache_dir, check), model_dir.name, str(model_dir))
+        hf_dir = as_hf_dir(model_dir, cache_dir, check, needs_weights)
+        return ResolvedModel(hf_dir, model_dir.name, str(model_dir))
     subfolders = _model_subfolders(model_dir)
     if len(subfolders) == 1:
         (folder,) = subfolders
-        return ResolvedModel(as_hf_dir(folder, cache_dir, check), folder.name, str(folder))
+        hf_dir = as_hf_dir(folder, cache_dir, check, needs_weights)
+        return ResolvedModel(hf_dir, folder.name, str(folder))
     if subfolders:
         names = ", ".join(folder.name for folder in subfolders)
         raise ModelStoreError(

@@ -77,6 +77,7 @@ class ServingConfig:
     enable_chunked_prefill: bool
     quantize: str | None  # int4/int8 at load, awq/gptq checkpoints; the rolling batch
     model_impl: str  # auto | native | transformers (architectures.py decides what serves)
+    load_format: str  # auto (the checkpoint) | dummy (random weights from config.json)
     speculative_draft_model: str | None  # "ngram" (prompt lookup) or None: no speculation
     speculative_length: int
     enable_auto_tool_choice: bool
@@ -299,6 +300,12 @@ def _cross_field_problems(values: dict[str, Any], num_devices: int | None) -> li
             f"option.quantize={values['quantize']} with option.rolling_batch='disable':"
             " quantized weights are served by the rolling batch; expected"
             " option.rolling_batch=auto, or option.quantize unset"
+        )
+    if values["load_format"] == "dummy" and dynamic:
+        problems.append(
+            "option.load_format=dummy with option.rolling_batch='disable': random weights are"
+            " served by the rolling batch; expected option.rolling_batch=auto, or"
+            " option.load_format=auto"
         )
     if values["enable_auto_tool_choice"] and values["tool_call_parser"] is None:
         problems.append(

@@ -518,6 +518,18 @@ SETTINGS: tuple[Setting, ...] = (
             " model's transformers modules; `auto`: native where there is one (docs/models.md)"
         ),
     ),
+    # vLLM's load_format: "dummy" fills the weights at random from config.json alone, so a
+    # model's speed can be measured without its checkpoint (benchmarks/gpu_bench.py).
+    Setting(
+        "option.load_format",
+        "load_format",
+        choice("auto", "dummy"),
+        "auto",
+        doc=(
+            "`dummy`: random weights from config.json alone, no checkpoint read (for"
+            " benchmarks; the rolling batch's native families); `auto`: the checkpoint's"
+        ),
+    ),
     # Speculative decoding, LMI's names: the draft model (only "[ngram]", prompt lookup, is
     # served) and the most tokens drafted a step.
     Setting(

@@ -73,8 +73,8 @@ class LLM:
         from transformers import AutoTokenizer
 
         cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        self.model_path = local_model_path(model, cache)
         config = engine_config(options)
+        self.model_path = local_model_path(model, cache, config.load_format != "dummy")
         self.tokenizer = AutoTokenizer.from_pretrained(
             self.model_path, trust_remote_code=config.trust_remote_code
         )

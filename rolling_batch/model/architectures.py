@@ -196,6 +196,7 @@ class EngineRequest:
     quantize: str | None = None
     enable_lora: bool = False
     model_impl: str = "auto"  # option.model_impl
+    load_format: str = "auto"  # option.load_format
 
 
 def serving_path(path: Path, wanted: EngineRequest = EngineRequest()) -> ServingPath:
@@ -211,6 +212,12 @@ def serving_path(path: Path, wanted: EngineRequest = EngineRequest()) -> Serving
             " the generic path"
         )
     method = _checkpoint_quantization(path)
+    if method is not None and wanted.load_format == "dummy":
+        raise UnservableModel(
+            f"architecture {', '.join(names) or 'none named'}: option.load_format=dummy fills"
+            f" dense weights, and config.json names a {method} checkpoint; drop its"
+            " quantization_config (option.quantize=int4 quantizes the random weights)"
+        )
     if native is not None:
         family = next(f for f in NATIVE_FAMILIES if native[0] in f.architectures)
         if method is not None and not (method in CHECKPOINT_METHODS and "AWQ" in family.quantize):

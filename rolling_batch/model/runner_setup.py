@@ -34,6 +34,7 @@ class RuntimeOptions:
     trust_remote_code: bool = False
     quantize: str | None = None  # option.quantize (model/weights/loader.py: load_model)
     model_impl: str = "auto"  # option.model_impl: "transformers" takes the generic path
+    load_format: str = "auto"  # option.load_format: "dummy" draws random weights
     # LoRA adapters from <model dir>/adapters/ (lora/manager.py); the option.* names.
     enable_lora: bool = False
     max_loras: int = 4
@@ -56,6 +57,7 @@ class RuntimeOptions:
             trust_remote_code=config.trust_remote_code,
             quantize=config.quantize,
             model_impl=config.model_impl,
+            load_format=config.load_format,
             enable_lora=config.enable_lora,
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
@@ -94,6 +96,7 @@ def build_runner(
         options.quantize,
         options.trust_remote_code,
         options.model_impl,
+        options.load_format,
     )
     lora = None
     if options.enable_lora:

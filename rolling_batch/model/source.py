@@ -30,10 +30,13 @@ def holds_model_files(folder: Path) -> bool:
     return (folder / "config.json").is_file() or any(folder.glob("*.gguf"))
 
 
-def as_hf_dir(path: Path, cache_dir: Path, check: ArchitectureCheck | None = None) -> Path:
+def as_hf_dir(
+    path: Path, cache_dir: Path, check: ArchitectureCheck | None = None, needs_weights: bool = True
+) -> Path:
     """An HF directory as is; a .gguf file, or a folder holding only one, converted once.
     `check` sees the model first (before any conversion) and raises UnservableModel for one
-    the engine cannot run (a ModelSourceError here)."""
+    the engine cannot run (a ModelSourceError here). `needs_weights=False`
+    (option.load_format=dummy): config.json alone is a model."""
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelSourceError(f"{path}: expected a model directory or a .gguf file")
@@ -44,7 +47,7 @@ def as_hf_dir(path: Path, cache_dir: Path, check: ArchitectureCheck | None = Non
     if (path / "config.json").is_file():
         # A half-finished copy would otherwise fail later, inside the engine, with a less
         # helpful message from the loader.
-        if not any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()):
+        if needs_weights and not any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()):
             raise ModelSourceError(f"{path}: config.json but no *.safetensors or *.bin weights")
         _check(check, path)
         return path
@@ -67,8 +70,8 @@ def _check(check: ArchitectureCheck | None, path: Path) -> None:
         raise ModelSourceError(str(error)) from None
 
 
-def local_model_path(model: str | Path | None, cache_dir: Path) -> Path:
+def local_model_path(model: str | Path | None, cache_dir: Path, needs_weights: bool = True) -> Path:
     """The offline API's `model`: None is the embedded SmolLM2, anything else a local path."""
     if model is None:
         return convert_gguf_once(embedded_gguf(), cache_dir)
-    return as_hf_dir(Path(model), cache_dir)
+    return as_hf_dir(Path(model), cache_dir, needs_weights=needs_weights)

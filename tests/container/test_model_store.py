@@ -4,6 +4,7 @@ the model dir) or an HF hub id from the local cache, with clear errors otherwise
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -141,6 +142,32 @@ def test_config_without_weights_is_refused(tiny_model_dir, tmp_path):
     with pytest.raises(ModelStoreError, match=r"config\.json but no \*\.safetensors") as error:
         resolve_model(config_for(None, HF_MODEL_ID=str(folder)), None, tmp_path / "cache")
     assert str(folder) in str(error.value)
+
+
+def test_config_alone_is_a_model_with_dummy_weights(tiny_model_dir, tmp_path):
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(tiny_model_dir / name, folder / name)
+    config = config_for(None, HF_MODEL_ID=str(folder), OPTION_LOAD_FORMAT="dummy")
+
+    model = resolve_model(config, None, tmp_path / "cache")
+
+    assert model.path == folder
+    assert model.serving.native == "llama:LlamaForCausalLM"
+
+
+def test_dummy_weights_for_a_quantized_checkpoints_config_are_refused(tiny_model_dir, tmp_path):
+    folder = tmp_path / "awq"
+    folder.mkdir()
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32}
+    (folder / "config.json").write_text(json.dumps(config))
+    config = config_for(None, HF_MODEL_ID=str(folder), OPTION_LOAD_FORMAT="dummy")
+
+    with pytest.raises(ModelStoreError, match="load_format=dummy fills dense weights") as error:
+        resolve_model(config, None, tmp_path / "cache")
+    assert "option.quantize=int4" in str(error.value)
 
 
 def test_folder_of_random_files_lists_what_it_found(tmp_path):

@@ -79,6 +79,7 @@ CONTRACT_DEFAULTS = {
     "enable_chunked_prefill": True,
     "quantize": None,
     "model_impl": "auto",  # vLLM's default: native where the family has a module
+    "load_format": "auto",  # the checkpoint's weights
     "speculative_draft_model": None,
     "speculative_length": 5,
     # LMI's: tool calls are read only when turned on with the model's format.
@@ -784,6 +785,12 @@ def test_equal_min_and_max_workers_are_fine(tmp_path):
             "engine=Python\noption.rolling_batch=disable\noption.quantize=int4",
             None,
             ["option.quantize=int4 with option.rolling_batch='disable'", "rolling_batch=auto"],
+        ),
+        ("option.load_format=pt", None, ["option.load_format='pt'", "auto, dummy"]),
+        (
+            "engine=Python\noption.rolling_batch=disable\noption.load_format=dummy",
+            None,
+            ["option.load_format=dummy with option.rolling_batch='disable'", "load_format=auto"],
         ),
         # impossible combinations
         (

@@ -158,16 +158,29 @@ class GenericCausalLM(nn.Module):
         device,
         tensor_parallel_degree=1,
         trust_remote_code=False,
+        dummy=False,
     ):
-        from transformers import AutoModelForCausalLM
+        """`dummy`: transformers' own random initialization from config.json, on the device
+        (option.load_format=dummy)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         _register()
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            model_path,
-            dtype=dtype,
-            attn_implementation=ATTENTION_NAME,
-            trust_remote_code=trust_remote_code,
-        )
+        if dummy:
+            config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            with torch.device(device):
+                hf_model = AutoModelForCausalLM.from_config(
+                    config,
+                    dtype=dtype,
+                    attn_implementation=ATTENTION_NAME,
+                    trust_remote_code=trust_remote_code,
+                )
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                model_path,
+                dtype=dtype,
+                attn_implementation=ATTENTION_NAME,
+                trust_remote_code=trust_remote_code,
+            )
         return cls(hf_model.to(device).eval(), tensor_parallel_degree)
 
     @property

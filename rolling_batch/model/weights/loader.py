@@ -17,6 +17,7 @@ from ..families import model_class_for
 from ..families.generic import GenericCausalLM
 from ..layers.parallel import TensorParallelGroup
 from ..layers.quantized import GROUP_SIZE
+from .dummy import fill_random
 from .gguf_convert import gguf_source
 from .gguf_weights import read_int4_linears, read_int8_matrices, with_file_codes
 from .quantized_checkpoint import quantized_linears, read_quantization, unpack_int4
@@ -92,18 +93,30 @@ def load_model(
     quantize: str | None = None,
     trust_remote_code: bool = False,
     model_impl: str = "auto",
+    load_format: str = "auto",
 ):
     """`quantize`: option.quantize, None for the checkpoint's own weights (dense, or int4 codes
-    when config.json has an AWQ or GPTQ `quantization_config`)."""
+    when config.json has an AWQ or GPTQ `quantization_config`). `load_format="dummy"`: random
+    weights, built on the device, no checkpoint read (weights/dummy.py)."""
+    dummy = load_format == "dummy"
     model_class = model_class_for(hf_config) if model_impl != "transformers" else None
     if model_class is None:  # the model's own transformers modules (the generic path)
         if quantize is not None or read_quantization(hf_config, None) is not None:
             raise ValueError("quantized weights are served on the native families only")
         model = GenericCausalLM.from_pretrained(
-            model_path, dtype, device, group.world_size, trust_remote_code
+            model_path, dtype, device, group.world_size, trust_remote_code, dummy
         )
         model.pack_weights()
         return model
+    if dummy:
+        if read_quantization(hf_config, None) is not None:
+            raise ValueError(
+                "option.load_format=dummy fills dense weights, not a quantized checkpoint's"
+            )
+        with _default_dtype(dtype), torch.device(device):
+            model = model_class(hf_config, group, max_model_len)
+        fill_random(model, getattr(hf_config, "initializer_range", 0.02))
+        return _ready(model, device, quantize, quantize)
     checkpoint = read_quantization(hf_config, quantize)
     method = checkpoint.method if checkpoint is not None else quantize
     # Parameters are created in the serving dtype; rotary tables stay fp32 (built explicitly so).
@@ -130,8 +143,14 @@ def load_model(
         )
         weights = with_file_codes(weights, int4, int8)
     model.load_weights(weights)
+    return _ready(model, device, quantize if checkpoint is None else None, method)
+
+
+def _ready(model, device: torch.device, quantize: str | None, method: str | None):
+    """The loaded model on its device, its weights packed (quantized at load with `quantize`);
+    `method`: how its weights are quantized, for the log."""
     model = model.to(device).eval()
-    model.pack_weights(quantize if checkpoint is None else None)
+    model.pack_weights(quantize)
     if device.type == "cuda":
         # The dense weights quantization replaced, and its temporaries: the KV cache is sized
         # from the free memory the device reports, which counts torch's cache as used.
