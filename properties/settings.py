@@ -527,7 +527,7 @@ SETTINGS: tuple[Setting, ...] = (
         "auto",
         doc=(
             "`dummy`: random weights from config.json alone, no checkpoint read (for"
-            " benchmarks; the rolling batch's native families); `auto`: the checkpoint's"
+            " benchmarks; the rolling batch); `auto`: the checkpoint's"
         ),
     ),
     # Speculative decoding, LMI's names: the draft model (only "[ngram]", prompt lookup, is

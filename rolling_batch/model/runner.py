@@ -14,6 +14,7 @@ from ..core.step import SequenceChunk
 from ..engine.sampler import top_logprobs_of
 from ..lora.manager import LoraManager
 from .layers.attention import AttentionMetadata
+from .step_inputs import DeviceCopier, step_arrays
 
 # Prompt rows are scored this many at a time: the fp32 logits of 256 rows of a 49k vocabulary
 # are 50 MB, of a whole 2048-token chunk 400 MB.
@@ -43,6 +44,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.lora: LoraManager | None = lora  # option.enable_lora
+        self._to_device = DeviceCopier(device)
         if device.type == "cpu":
             cpu_native.native_ops()  # built (first start on a machine) or loaded now, not mid-step
 
@@ -103,62 +105,23 @@ class ModelRunner:
         return PromptScores(log_probs, tops)
 
     def _prepare(self, chunks: list[SequenceChunk]):
-        block_size = self.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        q_starts = [0]
-        seq_lens: list[int] = []
-        logits_rows: list[int] = []
-        argmax_rows: list[int] = []
-        for chunk in chunks:
-            for offset, token in enumerate(chunk.token_ids):
-                position = chunk.num_computed + offset
-                token_ids.append(token)
-                positions.append(position)
-                slots.append(
-                    chunk.block_ids[position // block_size] * block_size + position % block_size
-                )
-            q_starts.append(len(token_ids))
-            seq_lens.append(chunk.num_computed + len(chunk.token_ids))
-            logits_rows += range(len(token_ids) - chunk.num_logits, len(token_ids))
-            argmax_rows += range(len(token_ids) - chunk.num_argmax, len(token_ids))
-        output_rows, logits_rows, argmax_rows = _read_rows(
-            chunks, len(token_ids), logits_rows, argmax_rows
-        )
-        width = max(len(chunk.block_ids) for chunk in chunks)
-        tables = [list(chunk.block_ids) + [0] * (width - len(chunk.block_ids)) for chunk in chunks]
-
-        def tensor(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-        block_tables = tensor(tables).to(torch.int32)
-        seq_lens_tensor = tensor(seq_lens).to(torch.int32)
-        query_start_loc = tensor(q_starts).to(torch.int32)
+        arrays = step_arrays(chunks, self.block_size)
+        optional = [] if arrays.output_rows is None else [arrays.output_rows]
+        (
+            token_ids, positions, slots, block_tables, seq_lens, query_start_loc,
+            logits_rows, argmax_rows, *output_rows,
+        ) = self._to_device([*arrays[:-1], *optional])  # fmt: skip
         plan = None
         if self.device.type == "cpu" and cpu_native.native_ops() is None:  # every layer uses it
-            plan = ReferencePlan.build(block_tables, seq_lens_tensor, query_start_loc, block_size)
+            plan = ReferencePlan.build(block_tables, seq_lens, query_start_loc, self.block_size)
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots),
+            slot_mapping=slots,
             block_tables=block_tables,
-            seq_lens=seq_lens_tensor,
+            seq_lens=seq_lens,
             query_start_loc=query_start_loc,
             max_query_len=max(len(chunk.token_ids) for chunk in chunks),
-            max_seq_len=max(seq_lens),
+            max_seq_len=int(arrays.seq_lens.max()),
             reference_plan=plan,
-            output_rows=None if output_rows is None else tensor(output_rows),
+            output_rows=output_rows[0] if output_rows else None,
         )
-        return tensor(token_ids), tensor(positions), meta, tensor(logits_rows), tensor(argmax_rows)
-
-
-def _read_rows(chunks: list[SequenceChunk], num_tokens: int, logits_rows, argmax_rows):
-    """(the tokens whose outputs the step reads, or None for all; the logits and argmax rows
-    among those outputs). A prompt chunk's tokens before its last are never read unless their
-    log-probs are asked for, so the model may skip the last layer's work past attention for
-    them."""
-    wanted = len(logits_rows) + len(argmax_rows)
-    if wanted == num_tokens or any(chunk.score_targets for chunk in chunks):
-        return None, logits_rows, argmax_rows
-    output_rows = sorted(logits_rows + argmax_rows)
-    row_of = {token: row for row, token in enumerate(output_rows)}
-    return output_rows, [row_of[t] for t in logits_rows], [row_of[t] for t in argmax_rows]
+        return token_ids, positions, meta, logits_rows, argmax_rows

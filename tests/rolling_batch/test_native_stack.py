@@ -10,7 +10,7 @@ import torch
 
 from lmserve.kernels import cpu_native
 from lmserve.rolling_batch.core.step import SequenceChunk
-from lmserve.rolling_batch.model import runner as model_runner
+from lmserve.rolling_batch.model import step_inputs
 from lmserve.rolling_batch.model.layers.parallel import TensorParallelGroup
 from lmserve.rolling_batch.model.runner_setup import RuntimeOptions, build_runner
 
@@ -100,7 +100,7 @@ def test_steps_that_read_few_outputs_give_the_bits_of_steps_that_read_all(
     pruned, full = runner_for(tiny_model_dir), runner_for(tiny_model_dir)
     if not stack:
         pruned.model.model.native_stack = full.model.model.native_stack = None
-    read_rows = model_runner._read_rows
+    read_rows = step_inputs._read_rows
     pruned_steps = []
 
     def recording(chunks, *args):
@@ -108,12 +108,12 @@ def test_steps_that_read_few_outputs_give_the_bits_of_steps_that_read_all(
         pruned_steps.append(output_rows is not None)
         return output_rows, *rows
 
-    monkeypatch.setattr(model_runner, "_read_rows", recording)
+    monkeypatch.setattr(step_inputs, "_read_rows", recording)
     vocab_size = pruned.model.config.vocab_size
     got = run_steps(pruned, pruned.block_size, vocab_size)
     assert any(pruned_steps) and not all(pruned_steps)  # the prompt steps, not the decodes
 
-    monkeypatch.setattr(model_runner, "_read_rows", lambda _, __, *rows: (None, *rows))
+    monkeypatch.setattr(step_inputs, "_read_rows", lambda _, __, *rows: (None, *rows))
     expected = run_steps(full, full.block_size, vocab_size)
     for (sequence, row), (_, expected_row) in zip(got, expected, strict=True):
         assert torch.equal(row, expected_row), f"after {len(sequence)} tokens"
