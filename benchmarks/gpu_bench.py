@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import random
@@ -29,6 +30,9 @@ from pathlib import Path
 from . import gpu_peers, gpu_report
 from .gpu_roofline import LlamaShape, measure_ceilings, median_seconds
 
+# The module (the package's `paged_attention` is the dispatching function of the same name).
+attention_kernels = importlib.import_module("lmserve.kernels.paged_attention")
+DEFAULT_CUDA_KERNEL = attention_kernels.cuda_kernel
 WORK_DIR = Path(".gpu_bench")
 # Llama-3-8B's shapes with the bundled tokenizer's vocabulary (SmolLM2's, so the served path
 # tokenizes); `tiny` runs the same code in seconds on a CPU.
@@ -197,6 +201,7 @@ def engine_phase(plan: Plan, model_dir: Path, device, shape: LlamaShape, prompts
         max_model_len=blocks_each * BLOCK_SIZE,
         max_rolling_batch_size=max(*batches, plan.batch),
         num_kv_blocks=max(*batches, plan.batch) * blocks_each,
+        enable_prefix_caching=False,  # each kernel's end-to-end run sends the same prompts
     )
     keep["llm"] = llm
     runner = llm._engine.runner
@@ -205,27 +210,49 @@ def engine_phase(plan: Plan, model_dir: Path, device, shape: LlamaShape, prompts
         k_cache.normal_()
         v_cache.normal_()
     rng = random.Random(0)
-    for context in plan.contexts:
-        for batch in batches:
-            chunks = [_chunk(rng, shape.vocab, i, blocks_each, context, 1) for i in range(batch)]
-            step = median_seconds(lambda _, c=chunks: runner.execute_step(c), device)
-            build = median_seconds(lambda _, c=chunks: runner._prepare(c), device)
-            found["steps"].append(
-                {"batch": batch, "context": context, "step_s": step, "inputs_s": build}
-            )
+    steps = [
+        [_chunk(rng, shape.vocab, i, blocks_each, context, 1) for i in range(batch)]
+        for context in plan.contexts
+        for batch in batches
+    ]
     prompt = [_chunk(rng, shape.vocab, 0, blocks_each, 0, plan.prompt)]
-    found["ttft_s"] = median_seconds(lambda _: runner.execute_step(prompt), device, 2, 5)
+    profiled = [
+        _chunk(rng, shape.vocab, i, blocks_each, min(plan.contexts), 1)
+        for i in range(min(max(batches), 64))
+    ]
     found["prompt_len"] = plan.prompt
-    profiled = [_chunk(rng, shape.vocab, i, blocks_each, min(plan.contexts), 1) for i in range(64)]
-    found["profile"] = gpu_report.profile_step(
-        runner, profiled[: min(max(batches), 64)], out / "profile.txt"
-    )
-    llm.generate(warm_up_prompts(prompts, shape.vocab), max_new_tokens=4, ignore_eos=True)
-    began = time.monotonic()
-    answers = llm.generate(prompts, max_new_tokens=plan.batch_output, ignore_eos=True)
-    wall = time.monotonic() - began
-    generated = sum(len(a.token_ids) for a in answers)
-    found["offline"] = {"wall_s": wall, "tokens": generated, "tokens_per_s": generated / wall}
+    found["default_kernel"] = DEFAULT_CUDA_KERNEL if device.type == "cuda" else "cpu"
+    for kernel in attention_kernels.CUDA_KERNELS if device.type == "cuda" else ("cpu",):
+        if device.type == "cuda":
+            attention_kernels.cuda_kernel = kernel
+        for chunks in steps:
+            found["steps"].append(
+                {
+                    "kernel": kernel,
+                    "batch": len(chunks),
+                    "context": chunks[0].num_computed,
+                    "step_s": median_seconds(lambda _, c=chunks: runner.execute_step(c), device),
+                    "inputs_s": median_seconds(lambda _, c=chunks: runner._prepare(c), device),
+                }
+            )
+        found.setdefault("ttft_s", {})[kernel] = median_seconds(
+            lambda _: runner.execute_step(prompt), device, 2, 5
+        )
+        found.setdefault("profile", {})[kernel] = gpu_report.profile_step(
+            runner, profiled, out / f"profile-{kernel}.txt"
+        )
+        llm.generate(warm_up_prompts(prompts, shape.vocab), max_new_tokens=4, ignore_eos=True)
+        began = time.monotonic()
+        answers = llm.generate(prompts, max_new_tokens=plan.batch_output, ignore_eos=True)
+        wall = time.monotonic() - began
+        generated = sum(len(a.token_ids) for a in answers)
+        found.setdefault("offline", {})[kernel] = {
+            "wall_s": wall,
+            "tokens": generated,
+            "tokens_per_s": generated / wall,
+        }
+    if device.type == "cuda":
+        attention_kernels.cuda_kernel = DEFAULT_CUDA_KERNEL  # the served run's
     if device.type == "cuda":
         torch.cuda.synchronize()
     return found

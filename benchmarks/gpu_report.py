@@ -67,51 +67,52 @@ def table(results: dict, shape: LlamaShape) -> str:
 def _step_rows(engine: dict, shape: LlamaShape, ceilings: Ceilings) -> list[str]:
     rows = [
         "",
-        "| step | batch | context | ms | tokens/s | floor ms (bound) | share | inputs ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| step | attention | batch | context | ms | tokens/s | floor ms (bound) | share |"
+        " inputs ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for step in engine.get("steps", []):
         b, ctx, seconds = step["batch"], step["context"], step["step_s"]
         floor, bound = ceilings.floor_s(shape.decode_bytes(b, ctx), shape.decode_flops(b, ctx))
         rows.append(
-            f"| decode | {b} | {ctx} | {seconds * 1e3:.2f} | {b / seconds:.0f} |"
-            f" {floor * 1e3:.2f} ({bound}) | {floor / seconds:.0%} | {step['inputs_s'] * 1e3:.2f} |"
+            f"| decode | {step['kernel']} | {b} | {ctx} | {seconds * 1e3:.2f} |"
+            f" {b / seconds:.0f} | {floor * 1e3:.2f} ({bound}) | {floor / seconds:.0%} |"
+            f" {step['inputs_s'] * 1e3:.2f} |"
         )
-    if "ttft_s" in engine:
-        prompt = engine.get("prompt_len")
-        floor, bound = ceilings.floor_s(
-            shape.num_params * shape.dtype_bytes, shape.prefill_flops(prompt)
-        )
-        seconds = engine["ttft_s"]
+    prompt = engine.get("prompt_len")
+    for kernel, seconds in engine.get("ttft_s", {}).items():
+        weights = shape.num_params * shape.dtype_bytes
+        floor, bound = ceilings.floor_s(weights, shape.prefill_flops(prompt))
         rows.append(
-            f"| first token | 1 | {prompt} prompt | {seconds * 1e3:.1f} | - |"
+            f"| first token | {kernel} | 1 | {prompt} prompt | {seconds * 1e3:.1f} | - |"
             f" {floor * 1e3:.2f} ({bound}) | {floor / seconds:.0%} (x{seconds / floor:.2f}) | - |"
         )
-    profile = engine.get("profile")
-    if profile:
+    for kernel, profile in engine.get("profile", {}).items():
         top = ", ".join(f"{name} x{count}" for name, count in profile["top"])
         rows.append(
-            f"\nprofile of a decode step at batch {profile['batch']}: "
-            f"{profile['kernel_launches']} kernel launches; most time: {top}"
+            f"\nprofile of a decode step at batch {profile['batch']} ({kernel}):"
+            f" {profile['kernel_launches']} kernel launches; most time: {top}"
         )
     return rows
 
 
 def _comparison_rows(results: dict, engine: dict) -> list[str]:
     rows = ["", "| run | tokens/s | note |", "|---|---|---|"]
-    offline = engine.get("offline")
-    if offline:
-        rows.append(f"| lmserve offline, batch end to end | {offline['tokens_per_s']:.0f} | |")
+    offline = engine.get("offline", {})
     hf = results.get("hf")
+    for kernel, run in offline.items():
+        note = f"x{run['tokens_per_s'] / hf['tokens_per_s']:.2f} HF" if hf else ""
+        rows.append(
+            f"| lmserve offline end to end ({kernel}) | {run['tokens_per_s']:.0f} | {note} |"
+        )
     if hf:
-        ratio = f"lmserve x{offline['tokens_per_s'] / hf['tokens_per_s']:.2f}" if offline else ""
         weights = "the same weights" if hf["same_weights"] else "its own random weights"
         rows.append(
-            f"| HF generate_batch ({hf['attention']}, {weights}) | {hf['tokens_per_s']:.0f} |"
-            f" {ratio} |"
+            f"| HF generate_batch ({hf['attention']}, {weights}) | {hf['tokens_per_s']:.0f} | |"
         )
     served = results.get("served") or {}
-    single = [s for s in engine.get("steps", []) if s["batch"] == 1]
+    default = engine.get("default_kernel")  # the served run's attention
+    single = [s for s in engine.get("steps", []) if s["batch"] == 1 and s["kernel"] == default]
     for label in ("single", "burst"):
         run = served.get(label)
         if not run:

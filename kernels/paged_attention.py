@@ -247,6 +247,14 @@ def paged_attention_reference(
     return attend(query, k_cache, v_cache, plan, scale, window, softcap)
 
 
+# The CUDA kernel: "per_row" (paged_attention_triton.py: one program a query row and head,
+# checked on an H100) until "tiled" (paged_attention_tiled.py: FlashAttention-style, K/V read
+# once a head group, decodes split over long contexts; so far checked in Triton's interpreter
+# only) has been checked and timed on a GPU: benchmarks/gpu_bench.py times steps with each.
+CUDA_KERNELS = ("per_row", "tiled")
+cuda_kernel = "per_row"
+
+
 def paged_attention(
     query,
     k_cache,
@@ -261,16 +269,18 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """CUDA: the Triton kernel. CPU: the C++ kernel, which reads the cache in place; without
-    it the torch reference with `plan`, the step's `ReferencePlan` (built here if not given).
-    A `window` no sequence's context outgrows is no window."""
+    """CUDA: the Triton kernel `cuda_kernel` names. CPU: the C++ kernel, which reads the
+    cache in place; without it the torch reference with `plan`, the step's `ReferencePlan`
+    (built here if not given). A `window` no sequence's context outgrows is no window."""
     if window is not None and max_seq_len <= window:
         window = None
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     if query.is_cuda:
-        from .paged_attention_triton import paged_attention_triton
-
-        return paged_attention_triton(*args, max_query_len, max_seq_len, window, softcap)
+        if cuda_kernel == "tiled":
+            from .paged_attention_tiled import paged_attention_tiled as kernel
+        else:
+            from .paged_attention_triton import paged_attention_triton as kernel
+        return kernel(*args, max_query_len, max_seq_len, window, softcap)
     native = cpu_native.native_ops()
     if native is not None:
         return native.paged_attention(*args, window or 0, softcap or 0.0)

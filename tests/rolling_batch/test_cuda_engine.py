@@ -5,6 +5,8 @@ in Triton's interpreter there)."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -22,6 +24,8 @@ from .test_model_logits import (
     layout_runner,
 )
 
+# The module (the package's `paged_attention` is the dispatching function of the same name).
+paged_attention = importlib.import_module("lmserve.kernels.paged_attention")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 MAX_NEW_TOKENS = 40  # the longest prompt (12 tokens) then crosses two 16-token blocks
@@ -50,10 +54,14 @@ def test_packed_steps_match_hf_logits(model_dir, hf_model, block_size, paged):
     assert_steps_match_hf_logits(cuda_runner(model_dir, block_size, paged), hf_model)
 
 
+@pytest.mark.parametrize("kernel", paged_attention.CUDA_KERNELS)
 @pytest.mark.parametrize(("block_size", "paged"), LAYOUTS)
-def test_greedy_tokens_equal_hf_generate(model_dir, hf_model, block_size, paged):
+def test_greedy_tokens_equal_hf_generate(
+    model_dir, hf_model, block_size, paged, kernel, monkeypatch
+):
     """All prompts at once through the rolling scheduler, prompts prefilled in chunks of at
-    most 8 tokens beside the others' decodes."""
+    most 8 tokens beside the others' decodes; with each CUDA attention kernel."""
+    monkeypatch.setattr(paged_attention, "cuda_kernel", kernel)
     runner = cuda_runner(model_dir, block_size, paged)
     prompts = list(PROMPTS.values())
     config = engine_config(
