@@ -33,21 +33,27 @@ class StepArrays(NamedTuple):
 
 def step_arrays(chunks: list[SequenceChunk], block_size: int) -> StepArrays:
     num_seqs = len(chunks)
-    lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, num_seqs)
-    computed = np.fromiter((c.num_computed for c in chunks), np.int64, num_seqs)
+    stats = np.array(
+        [(len(c.token_ids), c.num_computed, c.num_logits, c.num_argmax) for c in chunks],
+        dtype=np.int64,
+    )
+    lens, computed, num_logits, num_argmax = stats.T
     q_starts = np.zeros(num_seqs + 1, np.int64)
     np.cumsum(lens, out=q_starts[1:])
     num_tokens = int(q_starts[-1])
     token_ids = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), np.int64, num_tokens)
-    seq_of_token = np.repeat(np.arange(num_seqs), lens)
-    positions = computed[seq_of_token] + np.arange(num_tokens) - q_starts[:-1][seq_of_token]
     tables = np.zeros((num_seqs, max(len(c.block_ids) for c in chunks)), np.int64)
     for row, chunk in enumerate(chunks):
         tables[row, : len(chunk.block_ids)] = chunk.block_ids
+    if num_tokens == num_seqs:  # decodes alone: one token a sequence, at its cached length
+        seq_of_token, positions = np.arange(num_seqs), computed
+        logits_rows, argmax_rows = num_logits.nonzero()[0], num_argmax.nonzero()[0]
+    else:
+        seq_of_token = np.arange(num_seqs).repeat(lens)
+        positions = computed[seq_of_token] + np.arange(num_tokens) - q_starts[seq_of_token]
+        logits_rows = _ranges(q_starts[1:], num_logits)
+        argmax_rows = _ranges(q_starts[1:], num_argmax)
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    ends = q_starts[1:]
-    logits_rows = _ranges(ends, np.fromiter((c.num_logits for c in chunks), np.int64, num_seqs))
-    argmax_rows = _ranges(ends, np.fromiter((c.num_argmax for c in chunks), np.int64, num_seqs))
     output_rows, logits_rows, argmax_rows = _read_rows(chunks, num_tokens, logits_rows, argmax_rows)
     return StepArrays(
         token_ids,
