@@ -188,17 +188,19 @@ def engine_phase(plan: Plan, model_dir: Path, device, shape: LlamaShape, prompts
 
     from lmserve.properties.config import default_cache_dir
     from lmserve.rolling_batch import LLM
+    from lmserve.rolling_batch.model.cuda_graphs import capture_decode_graphs
 
     longest = max(*plan.contexts, plan.prompt, plan.batch_prompt + plan.batch_output) + 1
     blocks_each = -(-longest // BLOCK_SIZE)
     batches = _fitting_batches(plan, shape, device, blocks_each)
     began = time.monotonic()
+    max_model_len = blocks_each * BLOCK_SIZE
     llm = LLM(
         model_dir,
         cache_dir=default_cache_dir(),
         dtype=plan.dtype,
         load_format="dummy",
-        max_model_len=blocks_each * BLOCK_SIZE,
+        max_model_len=max_model_len,
         max_rolling_batch_size=max(*batches, plan.batch),
         num_kv_blocks=max(*batches, plan.batch) * blocks_each,
         enable_prefix_caching=False,  # each kernel's end-to-end run sends the same prompts
@@ -222,40 +224,55 @@ def engine_phase(plan: Plan, model_dir: Path, device, shape: LlamaShape, prompts
     ]
     found["prompt_len"] = plan.prompt
     found["default_kernel"] = DEFAULT_CUDA_KERNEL if device.type == "cuda" else "cpu"
-    for kernel in attention_kernels.CUDA_KERNELS if device.type == "cuda" else ("cpu",):
-        if device.type == "cuda":
+    cuda = device.type == "cuda"
+    for kernel in attention_kernels.CUDA_KERNELS if cuda else ("cpu",):
+        graphs = None
+        if cuda:
             attention_kernels.cuda_kernel = kernel
-        for chunks in steps:
-            found["steps"].append(
-                {
-                    "kernel": kernel,
-                    "batch": len(chunks),
-                    "context": chunks[0].num_computed,
-                    "step_s": median_seconds(lambda _, c=chunks: runner.execute_step(c), device),
-                    "inputs_s": median_seconds(lambda _, c=chunks: runner._prepare(c), device),
-                }
-            )
+            began = time.monotonic()
+            graphs = capture_decode_graphs(runner, max(*batches, plan.batch), max_model_len)
+            found.setdefault("capture_s", {})[kernel] = time.monotonic() - began
+        modes = {"eager": None} if graphs is None else {"eager": None, "graphs": graphs}
+        for mode, mode_graphs in modes.items():
+            runner.graphs = mode_graphs
+            found["steps"] += [_time_step(runner, chunks, kernel, mode) for chunks in steps]
+        runner.graphs = None  # a prompt runs eagerly; the profile shows every launch
         found.setdefault("ttft_s", {})[kernel] = median_seconds(
             lambda _: runner.execute_step(prompt), device, 2, 5
         )
         found.setdefault("profile", {})[kernel] = gpu_report.profile_step(
             runner, profiled, out / f"profile-{kernel}.txt"
         )
-        llm.generate(warm_up_prompts(prompts, shape.vocab), max_new_tokens=4, ignore_eos=True)
-        began = time.monotonic()
-        answers = llm.generate(prompts, max_new_tokens=plan.batch_output, ignore_eos=True)
-        wall = time.monotonic() - began
-        generated = sum(len(a.token_ids) for a in answers)
-        found.setdefault("offline", {})[kernel] = {
-            "wall_s": wall,
-            "tokens": generated,
-            "tokens_per_s": generated / wall,
-        }
-    if device.type == "cuda":
+        runner.graphs = graphs
+        mode = "eager" if graphs is None else "graphs"
+        found.setdefault("offline", {})[f"{kernel}, {mode}"] = _end_to_end(llm, prompts, plan)
+    runner.graphs = None
+    if cuda:
         attention_kernels.cuda_kernel = DEFAULT_CUDA_KERNEL  # the served run's
-    if device.type == "cuda":
         torch.cuda.synchronize()
     return found
+
+
+def _time_step(runner, chunks, kernel: str, mode: str) -> dict:
+    device = runner.device
+    return {
+        "kernel": kernel,
+        "mode": mode,
+        "batch": len(chunks),
+        "context": chunks[0].num_computed,
+        "step_s": median_seconds(lambda _: runner.execute_step(chunks), device),
+        "inputs_s": median_seconds(lambda _: runner._prepare(chunks), device),
+    }
+
+
+def _end_to_end(llm, prompts: list[list[int]], plan: Plan) -> dict:
+    vocab = llm._engine.runner.model.config.vocab_size
+    llm.generate(warm_up_prompts(prompts, vocab), max_new_tokens=4, ignore_eos=True)
+    began = time.monotonic()
+    answers = llm.generate(prompts, max_new_tokens=plan.batch_output, ignore_eos=True)
+    wall = time.monotonic() - began
+    generated = sum(len(a.token_ids) for a in answers)
+    return {"wall_s": wall, "tokens": generated, "tokens_per_s": generated / wall}
 
 
 def _chunk(rng, vocab: int, index: int, blocks_each: int, computed: int, new: int):

@@ -131,6 +131,7 @@ def served_runs(plan, model_dir: Path) -> dict:
         "option.dtype": plan.dtype,
         "option.max_rolling_batch_size": requests,
         "option.max_model_len": 4096,
+        "option.enforce_eager": "false",  # CUDA graphs where they capture (cuda_graphs.py)
     }
     found = {}
     with running_server(properties, port=8099) as (url, start_s):

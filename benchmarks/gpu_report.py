@@ -67,15 +67,15 @@ def table(results: dict, shape: LlamaShape) -> str:
 def _step_rows(engine: dict, shape: LlamaShape, ceilings: Ceilings) -> list[str]:
     rows = [
         "",
-        "| step | attention | batch | context | ms | tokens/s | floor ms (bound) | share |"
-        " inputs ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| step | attention | launch | batch | context | ms | tokens/s | floor ms (bound) |"
+        " share | inputs ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for step in engine.get("steps", []):
         b, ctx, seconds = step["batch"], step["context"], step["step_s"]
         floor, bound = ceilings.floor_s(shape.decode_bytes(b, ctx), shape.decode_flops(b, ctx))
         rows.append(
-            f"| decode | {step['kernel']} | {b} | {ctx} | {seconds * 1e3:.2f} |"
+            f"| decode | {step['kernel']} | {step['mode']} | {b} | {ctx} | {seconds * 1e3:.2f} |"
             f" {b / seconds:.0f} | {floor * 1e3:.2f} ({bound}) | {floor / seconds:.0%} |"
             f" {step['inputs_s'] * 1e3:.2f} |"
         )
@@ -84,9 +84,11 @@ def _step_rows(engine: dict, shape: LlamaShape, ceilings: Ceilings) -> list[str]
         weights = shape.num_params * shape.dtype_bytes
         floor, bound = ceilings.floor_s(weights, shape.prefill_flops(prompt))
         rows.append(
-            f"| first token | {kernel} | 1 | {prompt} prompt | {seconds * 1e3:.1f} | - |"
+            f"| first token | {kernel} | eager | 1 | {prompt} prompt | {seconds * 1e3:.1f} | - |"
             f" {floor * 1e3:.2f} ({bound}) | {floor / seconds:.0%} (x{seconds / floor:.2f}) | - |"
         )
+    for kernel, seconds in engine.get("capture_s", {}).items():
+        rows.append(f"\nCUDA graphs captured for {kernel} in {seconds:.1f} s")
     for kernel, profile in engine.get("profile", {}).items():
         top = ", ".join(f"{name} x{count}" for name, count in profile["top"])
         rows.append(
@@ -100,10 +102,10 @@ def _comparison_rows(results: dict, engine: dict) -> list[str]:
     rows = ["", "| run | tokens/s | note |", "|---|---|---|"]
     offline = engine.get("offline", {})
     hf = results.get("hf")
-    for kernel, run in offline.items():
+    for setup, run in offline.items():
         note = f"x{run['tokens_per_s'] / hf['tokens_per_s']:.2f} HF" if hf else ""
         rows.append(
-            f"| lmserve offline end to end ({kernel}) | {run['tokens_per_s']:.0f} | {note} |"
+            f"| lmserve offline end to end ({setup}) | {run['tokens_per_s']:.0f} | {note} |"
         )
     if hf:
         weights = "the same weights" if hf["same_weights"] else "its own random weights"
@@ -111,8 +113,9 @@ def _comparison_rows(results: dict, engine: dict) -> list[str]:
             f"| HF generate_batch ({hf['attention']}, {weights}) | {hf['tokens_per_s']:.0f} | |"
         )
     served = results.get("served") or {}
-    default = engine.get("default_kernel")  # the served run's attention
+    default = engine.get("default_kernel")  # the served run's attention, graphs where captured
     single = [s for s in engine.get("steps", []) if s["batch"] == 1 and s["kernel"] == default]
+    single.sort(key=lambda s: s["mode"] != "graphs")
     for label in ("single", "burst"):
         run = served.get(label)
         if not run:

@@ -78,6 +78,7 @@ class ServingConfig:
     quantize: str | None  # int4/int8 at load, awq/gptq checkpoints; the rolling batch
     model_impl: str  # auto | native | transformers (architectures.py decides what serves)
     load_format: str  # auto (the checkpoint) | dummy (random weights from config.json)
+    enforce_eager: bool  # False: decode steps replayed from CUDA graphs (GPU, TP=1)
     speculative_draft_model: str | None  # "ngram" (prompt lookup) or None: no speculation
     speculative_length: int
     enable_auto_tool_choice: bool

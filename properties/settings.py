@@ -530,6 +530,18 @@ SETTINGS: tuple[Setting, ...] = (
             " benchmarks; the rolling batch); `auto`: the checkpoint's"
         ),
     ),
+    # vLLM's and LMI's enforce_eager. Their default is false (graphs on); lmserve's stays true
+    # until its graphs are checked on a GPU (benchmarks/gpu_bench.py times both).
+    Setting(
+        "option.enforce_eager",
+        "enforce_eager",
+        boolean,
+        True,
+        doc=(
+            "`false`: decode steps replayed from CUDA graphs captured at start-up (a GPU, tensor"
+            " parallel degree 1, no LoRA); `true`: every step launched eagerly"
+        ),
+    ),
     # Speculative decoding, LMI's names: the draft model (only "[ngram]", prompt lookup, is
     # served) and the most tokens drafted a step.
     Setting(

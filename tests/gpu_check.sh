@@ -13,4 +13,5 @@ HF_HUB_OFFLINE=1 TRITON_CACHE_DIR=/tmp/triton-cache timeout -k 10 300 python3 -m
   -p no:cacheprovider --durations=8 tests/kernels/test_kv_store.py \
   tests/kernels/test_paged_attention.py tests/kernels/test_weight_only_matmul.py \
   tests/kernels/test_paged_attention_tiled.py tests/rolling_batch/test_step_inputs.py \
+  tests/rolling_batch/test_cuda_graphs.py \
   tests/rolling_batch/test_cuda_engine.py 2>&1 | tee "$log_dir/gpu_tests.log"

@@ -13,6 +13,7 @@ from lmserve.kernels.paged_attention import ReferencePlan
 from ..core.step import SequenceChunk
 from ..engine.sampler import top_logprobs_of
 from ..lora.manager import LoraManager
+from .cuda_graphs import DecodeGraphs
 from .layers.attention import AttentionMetadata
 from .step_inputs import DeviceCopier, step_arrays
 
@@ -45,6 +46,8 @@ class ModelRunner:
         self.device = device
         self.lora: LoraManager | None = lora  # option.enable_lora
         self._to_device = DeviceCopier(device)
+        # Decode steps replayed from CUDA graphs (cuda_graphs.py), set by build_runner.
+        self.graphs: DecodeGraphs | None = None
         if device.type == "cpu":
             cpu_native.native_ops()  # built (first start on a machine) or loaded now, not mid-step
 
@@ -74,7 +77,7 @@ class ModelRunner:
         if forward_greedy is not None and len(argmax_rows) == len(input_ids):
             picked = forward_greedy(input_ids, positions, self.kv_caches, meta)
         if picked is None:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = self._forward(chunks, input_ids, positions, meta)
         else:
             hidden = picked[0]
         scores = {}
@@ -91,6 +94,13 @@ class ModelRunner:
         elif len(argmax_rows):
             greedy = tuple(self.model.greedy_tokens(hidden[argmax_rows]).tolist())
         return StepLogits(self.model.compute_logits(hidden[logits_rows]), scores, greedy)
+
+    def _forward(self, chunks, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        graphs = self.graphs
+        width = meta.block_tables.shape[1]
+        if graphs is not None and meta.output_rows is None and graphs.can_replay(chunks, width):
+            return graphs.replay(input_ids, positions, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _score(self, hidden: torch.Tensor, targets: tuple[int, ...], top: int) -> PromptScores:
         log_probs: list[float] = []

@@ -14,6 +14,7 @@ from ..lora.adapters import ADAPTERS_DIR, find_adapters
 from ..lora.manager import LoraManager
 from . import kv_cache
 from .context_length import context_length
+from .cuda_graphs import capture_decode_graphs
 from .layers.parallel import TensorParallelGroup
 from .runner import ModelRunner
 from .weights.loader import load_hf_config, load_model, resolve_dtype
@@ -35,6 +36,7 @@ class RuntimeOptions:
     quantize: str | None = None  # option.quantize (model/weights/loader.py: load_model)
     model_impl: str = "auto"  # option.model_impl: "transformers" takes the generic path
     load_format: str = "auto"  # option.load_format: "dummy" draws random weights
+    enforce_eager: bool = True  # option.enforce_eager: False captures CUDA decode graphs
     # LoRA adapters from <model dir>/adapters/ (lora/manager.py); the option.* names.
     enable_lora: bool = False
     max_loras: int = 4
@@ -58,6 +60,7 @@ class RuntimeOptions:
             quantize=config.quantize,
             model_impl=config.model_impl,
             load_format=config.load_format,
+            enforce_eager=config.enforce_eager,
             enable_lora=config.enable_lora,
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
@@ -126,6 +129,12 @@ def build_runner(
     )
     kv_caches = kv_cache.allocate(shape, num_blocks, device)
     runner = ModelRunner(model, kv_caches, block_size, device, lora)
+    # Graphs hold no collectives and no adapters: one rank, no LoRA (cuda_graphs.py).
+    if device.type == "cuda" and not options.enforce_eager and group.world_size == 1:
+        if lora is None:
+            runner.graphs = capture_decode_graphs(
+                runner, options.max_rolling_batch_size, max_model_len
+            )
     return runner, hf_config, max_model_len
 
 

@@ -50,14 +50,14 @@ def test_the_dry_run_times_every_planned_step_against_its_floor(smollm2_dir, tmp
     assert status == 0 and results["errors"] == {}
     steps = results["engine"]["steps"]
     # On a CPU the one attention there is ("cpu"); on a GPU each CUDA kernel in turn.
-    assert {(s["kernel"], s["batch"], s["context"]) for s in steps} == {
-        ("cpu", b, c) for b in plan.batches for c in plan.contexts
+    assert {(s["kernel"], s["mode"], s["batch"], s["context"]) for s in steps} == {
+        ("cpu", "eager", b, c) for b in plan.batches for c in plan.contexts
     }
     assert all(s["step_s"] > 0 and s["inputs_s"] > 0 for s in steps)
-    offline = results["engine"]["offline"]["cpu"]
+    offline = results["engine"]["offline"]["cpu, eager"]
     assert offline["tokens"] == plan.batch * plan.batch_output  # EOS ignored: exact lengths
     table = (tmp_path / "out" / "gpu_bench.md").read_text()
-    assert f"| decode | cpu | {plan.batches[-1]} | {plan.contexts[-1]} |" in table
-    assert f"| first token | cpu | 1 | {plan.prompt} prompt |" in table
+    assert f"| decode | cpu | eager | {plan.batches[-1]} | {plan.contexts[-1]} |" in table
+    assert f"| first token | cpu | eager | 1 | {plan.prompt} prompt |" in table
     assert "(memory)" in table or "(matmul)" in table
     assert (tmp_path / "out" / "profile-cpu.txt").stat().st_size > 0

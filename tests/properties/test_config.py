@@ -80,6 +80,7 @@ CONTRACT_DEFAULTS = {
     "quantize": None,
     "model_impl": "auto",  # vLLM's default: native where the family has a module
     "load_format": "auto",  # the checkpoint's weights
+    "enforce_eager": True,  # until lmserve's CUDA graphs are checked on a GPU (LMI: false)
     "speculative_draft_model": None,
     "speculative_length": 5,
     # LMI's: tool calls are read only when turned on with the model's format.
