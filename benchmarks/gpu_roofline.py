@@ -129,9 +129,12 @@ def _matmul_seconds(device, dtype, size: int) -> float:
     return median_seconds(lambda _: a @ b, device)
 
 
-def median_seconds(work, device, warmup: int = 3, repeats: int = 10) -> float:
+def median_seconds(
+    work, device, warmup: int = 3, repeats: int = 10, enough_s: float = 2.0
+) -> float:
     """Median wall time of `work(i)`, the device synchronized before and after each call (the
-    host clock then brackets the device's work)."""
+    host clock then brackets the device's work); `repeats` calls, or as many as fit in
+    `enough_s` (three at least), so a slow variant does not eat a device run's minutes."""
     import torch
 
     def sync() -> None:
@@ -140,8 +143,10 @@ def median_seconds(work, device, warmup: int = 3, repeats: int = 10) -> float:
 
     for i in range(warmup):
         work(i)
-    times = []
+    times: list[float] = []
     for i in range(repeats):
+        if len(times) >= 3 and sum(times) > enough_s:
+            break
         sync()
         start = time.perf_counter()
         work(i)
