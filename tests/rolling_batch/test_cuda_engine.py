@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from lmserve.rolling_batch.ipc import protocol
 from lmserve.rolling_batch.llm import LocalEngine, engine_config
+from lmserve.rolling_batch.model.layers.parallel import TensorParallelGroup
+from lmserve.rolling_batch.model.runner_setup import RuntimeOptions, build_runner
 
 from ..conftest import save_tiny_llama
 from ..hf_reference import assert_same_or_near_tie, hf_greedy_alone
@@ -49,9 +51,23 @@ def cuda_runner(model_dir, block_size, paged):
     return runner
 
 
+@pytest.mark.parametrize("kernel", paged_attention.CUDA_KERNELS)
 @pytest.mark.parametrize(("block_size", "paged"), LAYOUTS)
-def test_packed_steps_match_hf_logits(model_dir, hf_model, block_size, paged):
+def test_packed_steps_match_hf_logits(model_dir, hf_model, block_size, paged, kernel, monkeypatch):
+    monkeypatch.setattr(paged_attention, "cuda_kernel", kernel)
     assert_steps_match_hf_logits(cuda_runner(model_dir, block_size, paged), hf_model)
+
+
+@pytest.mark.parametrize("kernel", paged_attention.CUDA_KERNELS)
+def test_bf16_steps_stay_within_bf16_of_hf_fp32(model_dir, hf_model, kernel, monkeypatch):
+    """bf16 end to end on the GPU (the tiled kernel's tensor-core dots): every packed step's
+    logits within a few bf16 roundings of HF's fp32 logits."""
+    monkeypatch.setattr(paged_attention, "cuda_kernel", kernel)
+    options = RuntimeOptions(dtype="bf16", max_model_len=MAX_MODEL_LEN, block_size=4,
+                             max_rolling_batch_size=len(PROMPTS))  # fmt: skip
+    runner, _, _ = build_runner(model_dir, options, TensorParallelGroup())
+    assert next(runner.model.parameters()).dtype == torch.bfloat16
+    assert_steps_match_hf_logits(runner, hf_model, tolerance=5e-2)
 
 
 @pytest.mark.parametrize("kernel", paged_attention.CUDA_KERNELS)
