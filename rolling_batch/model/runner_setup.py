@@ -130,11 +130,9 @@ def build_runner(
     kv_caches = kv_cache.allocate(shape, num_blocks, device)
     runner = ModelRunner(model, kv_caches, block_size, device, lora)
     # Graphs hold no collectives and no adapters: one rank, no LoRA (cuda_graphs.py).
-    if device.type == "cuda" and not options.enforce_eager and group.world_size == 1:
-        if lora is None:
-            runner.graphs = capture_decode_graphs(
-                runner, options.max_rolling_batch_size, max_model_len
-            )
+    capturable = group.world_size == 1 and lora is None
+    if device.type == "cuda" and not options.enforce_eager and capturable:
+        runner.graphs = capture_decode_graphs(runner, options.max_rolling_batch_size, max_model_len)
     return runner, hf_config, max_model_len
 
 

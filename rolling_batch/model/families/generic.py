@@ -167,6 +167,7 @@ class GenericCausalLM(nn.Module):
         _register()
         if dummy:
             config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            torch.manual_seed(0)  # every rank draws the same model, then takes its shard
             with torch.device(device):
                 hf_model = AutoModelForCausalLM.from_config(
                     config,
