@@ -159,7 +159,7 @@ def run(plan: Plan, model_dir: Path, out: Path, budget_s: float, served: bool, h
     if "llm" in engine:  # the HF phase closes it when it runs
         engine["llm"].close()
     engine.clear()
-    gc.collect()
+    gc.collect()  # the engine holds reference cycles: closing it frees nothing by itself
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if served:
@@ -213,13 +213,13 @@ def engine_phase(plan: Plan, model_dir: Path, device, shape: LlamaShape, prompts
         v_cache.normal_()
     rng = random.Random(0)
     steps = [
-        [_chunk(rng, shape.vocab, i, blocks_each, context, 1) for i in range(batch)]
+        [_chunk(rng, runner, i, blocks_each, context, 1) for i in range(batch)]
         for context in plan.contexts
         for batch in batches
     ]
-    prompt = [_chunk(rng, shape.vocab, 0, blocks_each, 0, plan.prompt)]
+    prompt = [_chunk(rng, runner, 0, blocks_each, 0, plan.prompt)]
     profiled = [
-        _chunk(rng, shape.vocab, i, blocks_each, min(plan.contexts), 1)
+        _chunk(rng, runner, i, blocks_each, min(plan.contexts), 1)
         for i in range(min(max(batches), 64))
     ]
     found["prompt_len"] = plan.prompt
@@ -238,7 +238,7 @@ def engine_phase(plan: Plan, model_dir: Path, device, shape: LlamaShape, prompts
             found["steps"] += [_time_step(runner, chunks, kernel, mode) for chunks in steps]
         runner.graphs = None  # a prompt runs eagerly; the profile shows every launch
         found.setdefault("ttft_s", {})[kernel] = median_seconds(
-            lambda _: runner.execute_step(prompt), device, 2, 5
+            lambda _: step_tokens(runner, prompt), device, 2, 5
         )
         found.setdefault("profile", {})[kernel] = gpu_report.profile_step(
             runner, profiled, out / f"profile-{kernel}.txt"
@@ -260,7 +260,7 @@ def _time_step(runner, chunks, kernel: str, mode: str) -> dict:
         "mode": mode,
         "batch": len(chunks),
         "context": chunks[0].num_computed,
-        "step_s": median_seconds(lambda _: runner.execute_step(chunks), device),
+        "step_s": median_seconds(lambda _: step_tokens(runner, chunks), device),
         "inputs_s": median_seconds(lambda _: runner._prepare(chunks), device),
     }
 
@@ -275,17 +275,24 @@ def _end_to_end(llm, prompts: list[list[int]], plan: Plan) -> dict:
     return {"wall_s": wall, "tokens": generated, "tokens_per_s": generated / wall}
 
 
-def _chunk(rng, vocab: int, index: int, blocks_each: int, computed: int, new: int):
+def step_tokens(runner, chunks) -> list[int]:
+    """One greedy step as the engine takes it: the model's step, then the tokens on the host
+    (from the greedy head where the runner has one, a CPU's; else the logits' argmax)."""
+    result = runner.execute_step(chunks)
+    return list(result.greedy_tokens) or result.logits.argmax(dim=-1).tolist()
+
+
+def _chunk(rng, runner, index: int, blocks_each: int, computed: int, new: int):
     from lmserve.rolling_batch.core.step import SequenceChunk
 
     needed = -(-(computed + new) // BLOCK_SIZE)
     first = index * blocks_each
     return SequenceChunk(
-        token_ids=tuple(rng.randrange(vocab) for _ in range(new)),
+        token_ids=tuple(rng.randrange(runner.model.config.vocab_size) for _ in range(new)),
         num_computed=computed,
         block_ids=tuple(range(first, first + needed)),
         needs_logits=True,
-        argmax_only=True,
+        argmax_only=runner.argmax_head,  # as the scheduler asks: a GPU has no greedy head
     )
 
 
@@ -320,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--tiny", action="store_true", help="the 2-layer shape: a dry run")
     go.add_argument("--model", type=Path, help="default: .gpu_bench/<the plan's shape>")
     go.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench-results"))
-    go.add_argument("--budget-s", type=float, default=420.0, help="skip phases after this")
+    go.add_argument("--budget-s", type=float, default=300.0, help="skip phases after this")
     go.add_argument("--no-served", action="store_true", help="skip the HTTP runs")
     go.add_argument("--no-hf", action="store_true", help="skip HF transformers' peer")
     args = parser.parse_args(argv)

@@ -9,5 +9,5 @@ set -o pipefail
 out=${OUT:-bench-results}
 source tests/gpu_setup.sh "$out"
 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR=/tmp/triton-cache PYTHONUNBUFFERED=1 \
-  timeout -k 10 "${GPU_BENCH_TIMEOUT_S:-500}" python3 -m lmserve.benchmarks.gpu_bench run \
+  timeout -k 10 "${GPU_BENCH_TIMEOUT_S:-360}" python3 -m lmserve.benchmarks.gpu_bench run \
   --out "$out" "$@" 2>&1 | tee "$out/gpu_bench.log"

@@ -3,6 +3,7 @@ on the same weights, and lmserve served over HTTP; and the wheels the device's i
 
 from __future__ import annotations
 
+import gc
 import statistics
 import subprocess
 import sys
@@ -57,6 +58,7 @@ def hf_continuous_batching(engine: dict, model_dir: Path, plan, prompts, device)
     if "llm" in engine:
         same_weights = copy_weights(engine["llm"]._engine.runner.model, model)
         engine.pop("llm").close()  # its weights and KV cache go before HF allocates its own
+    gc.collect()  # (the engine holds reference cycles: closing it frees nothing by itself)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     generation = GenerationConfig(max_new_tokens=plan.batch_output, do_sample=False)
@@ -78,6 +80,7 @@ def hf_continuous_batching(engine: dict, model_dir: Path, plan, prompts, device)
         "same_weights": same_weights,
     }
     del model
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return found

@@ -23,13 +23,15 @@ def profile_step(runner, chunks, path: Path) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    runner.execute_step(chunks)  # compiled and warm before the profile
+    from .gpu_bench import step_tokens
+
+    step_tokens(runner, chunks)  # compiled and warm before the profile
     activities = [ProfilerActivity.CPU]
     cuda = runner.device.type == "cuda"
     if cuda:
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
-        runner.execute_step(chunks)
+        step_tokens(runner, chunks)
         if cuda:
             torch.cuda.synchronize()
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"

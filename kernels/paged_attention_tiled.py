@@ -199,7 +199,7 @@ def paged_attention_tiled(
     kv_heads = k_cache.shape[2]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     assert query.stride(2) == 1
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous
     if num_tokens == 0:
         return out
     group = q_heads // kv_heads

@@ -14,7 +14,9 @@ import torch
 
 from ..core.step import SequenceChunk
 
-_ALIGN = 8  # bytes: every tensor in the staging buffer starts where an int64 may
+# Bytes: every tensor in the staging buffer starts 16-byte aligned, as Triton specializes a
+# kernel on its pointers' 16-byte alignment (one compiled variant, not one per offset).
+_ALIGN = 16
 
 
 class StepArrays(NamedTuple):
@@ -94,15 +96,16 @@ def _read_rows(chunks: list[SequenceChunk], num_tokens: int, logits_rows, argmax
 
 class DeviceCopier:
     """Host arrays to tensors on the step's device: zero-copy views on a CPU; elsewhere one
-    copy of them all, packed into a pinned staging buffer that grows as steps do.
+    copy of them all, packed into a staging buffer from pinned memory.
 
-    The staging buffer is rewritten by the next step, so a step must have read its results
-    (a sync) before the next one's inputs are built, as the engine loop does."""
+    Each step takes a fresh staging buffer from torch's caching host allocator, which hands a
+    block out again only once the copies that read it have run: a step of prompt chunks reads
+    nothing back, so the host may build the next step's inputs before the GPU has copied
+    this one's."""
 
     def __init__(self, device: torch.device, packed: bool | None = None):
         self.device = device
         self.packed = device.type != "cpu" if packed is None else packed
-        self._staging = torch.empty(0, dtype=torch.uint8)
 
     def __call__(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         if not self.packed:
@@ -111,24 +114,17 @@ class DeviceCopier:
         for array in arrays:
             offsets.append(end)
             end += -(-array.nbytes // _ALIGN) * _ALIGN
-        staging = self._staging_of(end)
+        staging = torch.empty(max(end, _ALIGN), dtype=torch.uint8,
+                              pin_memory=self.device.type == "cuda")  # fmt: skip
         host = staging.numpy()
         for array, offset in zip(arrays, offsets, strict=True):
-            host[offset : offset + array.nbytes] = (
-                np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-            )
-        on_device = staging[:end].to(self.device, non_blocking=True)
+            flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            host[offset : offset + array.nbytes] = flat
+        on_device = staging.to(self.device, non_blocking=True)
         return [
             on_device[offset : offset + a.nbytes].view(_TORCH_TYPES[a.dtype]).view(a.shape)
             for a, offset in zip(arrays, offsets, strict=True)
         ]
-
-    def _staging_of(self, num_bytes: int) -> torch.Tensor:
-        if self._staging.numel() < num_bytes:
-            pin = self.device.type == "cuda"
-            self._staging = torch.empty(max(num_bytes, 2 * self._staging.numel()),
-                                        dtype=torch.uint8, pin_memory=pin)  # fmt: skip
-        return self._staging
 
 
 _TORCH_TYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}

@@ -467,3 +467,16 @@ def test_phi3_longrope_takes_the_factors_of_the_served_context(max_model_len, pr
         with torch.inference_mode():
             short = hf_model(torch.tensor([short_prompt])).logits[0, -1]
         assert not torch.allclose(logits, short, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_variant_builds_under_any_default_device(variant):
+    """option.load_format=dummy builds the model under the serving device as torch's default
+    (weights/loader.py); a table built on one fixed device and mixed with the context's fails.
+    The meta device stands for a GPU here: mixing it with the CPU raises the same way."""
+    config_name, model_name, extra = VARIANTS[variant]
+    config = getattr(transformers, config_name)(**COMMON, **KV_HEADS, **extra)
+    config.architectures = [model_name]
+    with torch.device("meta"):
+        model = model_class_for(config)(config, TensorParallelGroup(), 64)
+    assert all(p.is_meta for p in model.parameters())

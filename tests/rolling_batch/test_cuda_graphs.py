@@ -97,7 +97,6 @@ def test_padded_decode_steps_give_hf_greedy_tokens(model_dir, hf_model, block_si
     """Three prompts decode as a batch of 3 in the bucket of 4; a prompt chunk beside decodes
     runs eagerly."""
     eos = {hf_model.config.eos_token_id}
-    eager = serve(layout_runner(model_dir, block_size, paged), model_dir, eos)
     runner = layout_runner(model_dir, block_size, paged)
     runner.graphs = graphs = with_graphs(runner, max_batch=8)
     replayed = []
@@ -105,8 +104,8 @@ def test_padded_decode_steps_give_hf_greedy_tokens(model_dir, hf_model, block_si
     graphs.replay = lambda ids, *rest: replayed.append(len(ids)) or replay(ids, *rest)
     served = serve(runner, model_dir, eos)
     assert replayed and set(replayed) <= {1, 2, 3}
+    # The eager steps' tokens are HF's too (test_cuda_engine.py): graphs on and off give the
+    # same tokens up to near-ties (a padded bucket may take another matmul algorithm).
     for prompt, tokens in zip(PROMPTS.values(), served, strict=True):
         expected, logits = hf_greedy_alone(hf_model, prompt, MAX_NEW_TOKENS)
         assert_same_or_near_tie(tokens, expected, logits)
-    if CUDA:  # same kernels, same shapes per row: graphs change nothing but the launches
-        assert served == eager

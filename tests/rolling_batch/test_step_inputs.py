@@ -86,21 +86,30 @@ def test_one_packed_copy_gives_the_same_tensors():
         DeviceCopier(torch.device("cpu")),
         DeviceCopier(torch.device("cpu"), packed=True),
     )
-    for size in (3, 40, 5):  # the staging buffer grows, then is reused
+    kept = []
+    for size in (3, 40, 5):
         arrays = step_arrays(random_chunks(rng, size), BLOCK_SIZE)
         fields = [a for a in arrays if a is not None]
         each, packed = copy_each(fields), copy_packed(fields)
+        kept.append((each, packed))
+    for each, packed in kept:  # a later step's inputs overwrote no earlier one's
         for plain, one in zip(each, packed, strict=True):
             assert one.dtype == plain.dtype and torch.equal(one, plain)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu_check.sh)")
-def test_one_copy_to_the_gpu_from_pinned_memory():
+def test_steps_copied_back_to_back_reach_the_gpu_intact():
+    """Prompt steps read nothing back: the host builds the next step's inputs while the GPU
+    may not yet have copied this one's. Nothing syncs here until every copy is queued."""
     rng = random.Random(8)
     copy = DeviceCopier(torch.device("cuda"))
-    for size in (3, 40, 5):
+    hold = torch.randn(4096, 4096, device="cuda")
+    steps = []
+    for size in (3, 40, 5, 17, 2):
+        hold = hold @ hold  # keeps the stream busy, so the copies wait behind it
         fields = [a for a in step_arrays(random_chunks(rng, size), BLOCK_SIZE) if a is not None]
-        on_gpu = copy(fields)
-        assert copy._staging.is_pinned()
+        steps.append((fields, copy(fields)))
+    torch.cuda.synchronize()
+    for fields, on_gpu in steps:
         for array, tensor in zip(fields, on_gpu, strict=True):
             assert tensor.is_cuda and tensor.cpu().tolist() == array.tolist()

@@ -97,14 +97,15 @@ def rope_frequencies(
         raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {supported}")
     if rope_type == "default":
         base = parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim
         return 1.0 / (base**exponents), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     seq_len = max_positions if rope_type == "longrope" else None
-    return ROPE_INIT_FUNCTIONS[rope_type](
-        config, torch.device("cpu"), seq_len=seq_len, layer_type=layer_type
-    )
+    with torch.device("cpu"):  # HF makes some of its tensors on the default device
+        return ROPE_INIT_FUNCTIONS[rope_type](
+            config, torch.device("cpu"), seq_len=seq_len, layer_type=layer_type
+        )
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,10 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim(config, head_dim)
         self.partial = self.rotary_dim < head_dim  # tables of rotary_dim columns then
         inv_freq, scaling = rope_frequencies(config, self.rotary_dim, layer_type, max_positions)
-        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        # On the CPU whatever torch's default device (a dummy model is built on its GPU): HF's
+        # scaled frequencies come from there, and the tables match a checkpoint load's bits.
+        positions = torch.arange(max_positions, dtype=torch.float, device="cpu")
+        freqs = positions[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("sin_signed", torch.cat((-sin, sin), dim=-1), persistent=False)
