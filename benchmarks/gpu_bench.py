@@ -150,7 +150,12 @@ def run(plan: Plan, model_dir: Path, out: Path, budget_s: float, served: bool, h
     )
     engine = {}
     prompts = batch_prompts(plan, shape.vocab)
-    phase("engine", lambda: engine_phase(plan, model_dir, device, shape, prompts, engine, out))
+    # Filled as it goes: a kernel that fails on the device leaves the other's numbers.
+    results["engine"] = found = {"steps": []}
+    phase(
+        "engine",
+        lambda: engine_phase(plan, model_dir, device, shape, prompts, engine, out, found),
+    )
     if hf:
         phase(
             "hf",
@@ -167,7 +172,7 @@ def run(plan: Plan, model_dir: Path, out: Path, budget_s: float, served: bool, h
     table = gpu_report.table(results, shape)
     (out / "gpu_bench.md").write_text(table + "\n")
     print(table)
-    return 1 if results["errors"] else 0
+    return 1 if results["errors"] or found.get("kernel_errors") else 0
 
 
 def batch_prompts(plan: Plan, vocab: int) -> list[list[int]]:
@@ -181,14 +186,16 @@ def warm_up_prompts(prompts: list[list[int]], vocab: int) -> list[list[int]]:
     return [[(t + 7) % vocab for t in p] for p in prompts[:2]]
 
 
-def engine_phase(plan: Plan, model_dir: Path, device, shape: LlamaShape, prompts, keep, out):
+def engine_phase(
+    plan: Plan, model_dir: Path, device, shape: LlamaShape, prompts, keep, out, found: dict
+):
     """Decode steps and a prompt's first token through the model runner (what one engine step
-    costs, the scheduler left out), then end-to-end offline generation through the `LLM`."""
+    costs, the scheduler left out), then end-to-end offline generation through the `LLM`,
+    into `found` as they are measured; `keep["llm"]` is the engine, for the HF phase."""
     import torch
 
     from lmserve.properties.config import default_cache_dir
     from lmserve.rolling_batch import LLM
-    from lmserve.rolling_batch.model.cuda_graphs import capture_decode_graphs
 
     longest = max(*plan.contexts, plan.prompt, plan.batch_prompt + plan.batch_output) + 1
     blocks_each = -(-longest // BLOCK_SIZE)
@@ -207,7 +214,7 @@ def engine_phase(plan: Plan, model_dir: Path, device, shape: LlamaShape, prompts
     )
     keep["llm"] = llm
     runner = llm._engine.runner
-    found = {"load_s": time.monotonic() - began, "batches_run": list(batches), "steps": []}
+    found.update(load_s=time.monotonic() - began, batches_run=list(batches))
     for k_cache, v_cache in runner.kv_caches:  # keys and values to read, not zeros
         k_cache.normal_()
         v_cache.normal_()
@@ -225,32 +232,68 @@ def engine_phase(plan: Plan, model_dir: Path, device, shape: LlamaShape, prompts
     found["prompt_len"] = plan.prompt
     found["default_kernel"] = DEFAULT_CUDA_KERNEL if device.type == "cuda" else "cpu"
     cuda = device.type == "cuda"
-    for kernel in attention_kernels.CUDA_KERNELS if cuda else ("cpu",):
-        graphs = None
+    work = _EngineWork(
+        llm, plan, steps, prompt, profiled, prompts, max(*batches, plan.batch), max_model_len, out
+    )
+    try:
+        for kernel in attention_kernels.CUDA_KERNELS if cuda else ("cpu",):
+            try:
+                _time_kernel(kernel, work, found)
+            except Exception:  # noqa: BLE001 - a kernel failing on the device: time the other
+                found.setdefault("kernel_errors", {})[kernel] = traceback.format_exc()
+                print(found["kernel_errors"][kernel], file=sys.stderr)
+    finally:
+        runner.graphs = None
         if cuda:
-            attention_kernels.cuda_kernel = kernel
-            began = time.monotonic()
-            graphs = capture_decode_graphs(runner, max(*batches, plan.batch), max_model_len)
-            found.setdefault("capture_s", {})[kernel] = time.monotonic() - began
-        modes = {"eager": None} if graphs is None else {"eager": None, "graphs": graphs}
-        for mode, mode_graphs in modes.items():
-            runner.graphs = mode_graphs
-            found["steps"] += [_time_step(runner, chunks, kernel, mode) for chunks in steps]
-        runner.graphs = None  # a prompt runs eagerly; the profile shows every launch
-        found.setdefault("ttft_s", {})[kernel] = median_seconds(
-            lambda _: step_tokens(runner, prompt), device, 2, 5
-        )
-        found.setdefault("profile", {})[kernel] = gpu_report.profile_step(
-            runner, profiled, out / f"profile-{kernel}.txt"
-        )
-        runner.graphs = graphs
-        mode = "eager" if graphs is None else "graphs"
-        found.setdefault("offline", {})[f"{kernel}, {mode}"] = _end_to_end(llm, prompts, plan)
-    runner.graphs = None
-    if cuda:
-        attention_kernels.cuda_kernel = DEFAULT_CUDA_KERNEL  # the served run's
-        torch.cuda.synchronize()
+            attention_kernels.cuda_kernel = DEFAULT_CUDA_KERNEL  # the served run's
+            torch.cuda.synchronize()
     return found
+
+
+@dataclass
+class _EngineWork:
+    """What engine_phase times with each attention kernel."""
+
+    llm: object
+    plan: Plan
+    steps: list  # decode steps: lists of chunks
+    prompt: list  # one whole prompt's chunk
+    profiled: list  # the decode step profiled
+    prompts: list[list[int]]  # the end-to-end batch
+    max_batch: int
+    max_model_len: int
+    out: Path
+
+
+def _time_kernel(kernel: str, work: _EngineWork, found: dict) -> None:
+    """Everything timed with one attention kernel: decode steps eager and from CUDA graphs,
+    the first token, a profiled step, the end-to-end batch."""
+    from lmserve.rolling_batch.model.cuda_graphs import capture_decode_graphs
+
+    runner = work.llm._engine.runner
+    device = runner.device
+    graphs = None
+    if device.type == "cuda":
+        attention_kernels.cuda_kernel = kernel
+        began = time.monotonic()
+        graphs = capture_decode_graphs(runner, work.max_batch, work.max_model_len)
+        found.setdefault("capture_s", {})[kernel] = time.monotonic() - began
+    modes = {"eager": None} if graphs is None else {"eager": None, "graphs": graphs}
+    for mode, mode_graphs in modes.items():
+        runner.graphs = mode_graphs
+        found["steps"] += [_time_step(runner, chunks, kernel, mode) for chunks in work.steps]
+    runner.graphs = None  # a prompt runs eagerly; the profile shows every launch
+    found.setdefault("ttft_s", {})[kernel] = median_seconds(
+        lambda _: step_tokens(runner, work.prompt), device, 2, 5
+    )
+    found.setdefault("profile", {})[kernel] = gpu_report.profile_step(
+        runner, work.profiled, work.out / f"profile-{kernel}.txt"
+    )
+    runner.graphs = graphs
+    mode = "eager" if graphs is None else "graphs"
+    found.setdefault("offline", {})[f"{kernel}, {mode}"] = _end_to_end(
+        work.llm, work.prompts, work.plan
+    )
 
 
 def _time_step(runner, chunks, kernel: str, mode: str) -> dict:

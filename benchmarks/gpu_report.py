@@ -61,6 +61,8 @@ def table(results: dict, shape: LlamaShape) -> str:
     if ceilings is not None and engine:
         lines += _step_rows(engine, shape, Ceilings(**ceilings))
     lines += _comparison_rows(results, engine)
+    for kernel, error in engine.get("kernel_errors", {}).items():
+        lines.append(f"engine with {kernel}: FAILED: {error.strip().splitlines()[-1]}")
     for phase, error in results.get("errors", {}).items():
         lines.append(f"{phase}: FAILED: {error.strip().splitlines()[-1]}")
     return "\n".join(lines)

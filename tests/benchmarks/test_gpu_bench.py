@@ -47,7 +47,7 @@ def test_the_dry_run_times_every_planned_step_against_its_floor(smollm2_dir, tmp
     status = gpu_bench.run(plan, folder, tmp_path / "out", 600, served=False, hf=False)
 
     results = json.loads((tmp_path / "out" / "gpu_bench.json").read_text())
-    assert status == 0 and results["errors"] == {}
+    assert status == 0 and results["errors"] == {} and "kernel_errors" not in results["engine"]
     steps = results["engine"]["steps"]
     # On a CPU the one attention there is ("cpu"); on a GPU each CUDA kernel in turn.
     assert {(s["kernel"], s["mode"], s["batch"], s["context"]) for s in steps} == {
@@ -61,3 +61,22 @@ def test_the_dry_run_times_every_planned_step_against_its_floor(smollm2_dir, tmp
     assert f"| first token | cpu | eager | 1 | {plan.prompt} prompt |" in table
     assert "(memory)" in table or "(matmul)" in table
     assert (tmp_path / "out" / "profile-cpu.txt").stat().st_size > 0
+
+
+def test_a_kernel_failing_on_the_device_is_reported_and_the_run_goes_on(
+    smollm2_dir, tmp_path, monkeypatch
+):
+    def fails(kernel, work, found):
+        raise RuntimeError(f"{kernel} did not compile")
+
+    monkeypatch.setattr(gpu_bench, "_time_kernel", fails)
+    folder = gpu_bench.write_model_folder(tmp_path / "tiny", "tiny", smollm2_dir)
+
+    status = gpu_bench.run(gpu_bench.TINY, folder, tmp_path / "out", 600, served=False, hf=False)
+
+    assert status == 1
+    results = json.loads((tmp_path / "out" / "gpu_bench.json").read_text())
+    assert results["engine"]["load_s"] > 0  # what was measured before the failure stays
+    assert "ceilings" in results
+    table = (tmp_path / "out" / "gpu_bench.md").read_text()
+    assert "engine with cpu: FAILED: RuntimeError: cpu did not compile" in table
