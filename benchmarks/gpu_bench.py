@@ -130,6 +130,9 @@ def run(plan: Plan, model_dir: Path, out: Path, budget_s: float, served: bool, h
     results: dict = {"device": gpu_report.device_name(device), "plan": asdict(plan), "errors": {}}
     out.mkdir(parents=True, exist_ok=True)
 
+    def save() -> None:
+        (out / "gpu_bench.json").write_text(json.dumps(results, indent=1, default=str))
+
     def phase(name: str, work) -> None:
         if time.monotonic() - started > budget_s:
             results["errors"][name] = f"skipped: the {budget_s:.0f} s budget was spent"
@@ -141,7 +144,7 @@ def run(plan: Plan, model_dir: Path, out: Path, budget_s: float, served: bool, h
             results["errors"][name] = traceback.format_exc()
             print(results["errors"][name], file=sys.stderr)
         results.setdefault("phase_seconds", {})[name] = round(time.monotonic() - began, 1)
-        (out / "gpu_bench.json").write_text(json.dumps(results, indent=1, default=str))
+        save()
 
     dtype = _torch_dtype(plan.dtype)
     phase(
@@ -152,10 +155,12 @@ def run(plan: Plan, model_dir: Path, out: Path, budget_s: float, served: bool, h
     prompts = batch_prompts(plan, shape.vocab)
     # Filled as it goes: a kernel that fails on the device leaves the other's numbers.
     results["engine"] = found = {"steps": []}
+    deadline = started + budget_s
     phase(
         "engine",
-        lambda: engine_phase(plan, model_dir, device, shape, prompts, engine, out, found),
-    )
+        lambda: engine_phase(plan, model_dir, device, shape, prompts, engine, out, found, save,
+                             deadline),
+    )  # fmt: skip
     if hf:
         phase(
             "hf",
@@ -187,11 +192,14 @@ def warm_up_prompts(prompts: list[list[int]], vocab: int) -> list[list[int]]:
 
 
 def engine_phase(
-    plan: Plan, model_dir: Path, device, shape: LlamaShape, prompts, keep, out, found: dict
-):
+    plan: Plan, model_dir: Path, device, shape: LlamaShape, prompts, keep, out, found: dict,
+    save, deadline: float,
+):  # fmt: skip
     """Decode steps and a prompt's first token through the model runner (what one engine step
     costs, the scheduler left out), then end-to-end offline generation through the `LLM`,
-    into `found` as they are measured; `keep["llm"]` is the engine, for the HF phase."""
+    into `found`, saved after each attention kernel (`save`; none starts past `deadline`);
+    `keep["llm"]` is the engine, for the HF phase. A kernel's Python or compile error is
+    contained; a fault on the device itself breaks every later CUDA call."""
     import torch
 
     from lmserve.properties.config import default_cache_dir
@@ -237,11 +245,17 @@ def engine_phase(
     )
     try:
         for kernel in attention_kernels.CUDA_KERNELS if cuda else ("cpu",):
+            if time.monotonic() > deadline:
+                found.setdefault("kernel_errors", {})[kernel] = "skipped: budget spent"
+                continue
             try:
                 _time_kernel(kernel, work, found)
+                if cuda:  # a fault of this kernel's is reported as its own
+                    torch.cuda.synchronize()
             except Exception:  # noqa: BLE001 - a kernel failing on the device: time the other
                 found.setdefault("kernel_errors", {})[kernel] = traceback.format_exc()
                 print(found["kernel_errors"][kernel], file=sys.stderr)
+            save()
     finally:
         runner.graphs = None
         if cuda:
@@ -278,6 +292,8 @@ def _time_kernel(kernel: str, work: _EngineWork, found: dict) -> None:
         began = time.monotonic()
         graphs = capture_decode_graphs(runner, work.max_batch, work.max_model_len)
         found.setdefault("capture_s", {})[kernel] = time.monotonic() - began
+        if graphs is None:  # cuda_graphs.py logged why; the steps run eagerly only
+            found.setdefault("kernel_errors", {})[f"{kernel}, graphs"] = "capture failed"
     modes = {"eager": None} if graphs is None else {"eager": None, "graphs": graphs}
     for mode, mode_graphs in modes.items():
         runner.graphs = mode_graphs

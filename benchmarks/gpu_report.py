@@ -92,7 +92,8 @@ def _step_rows(engine: dict, shape: LlamaShape, ceilings: Ceilings) -> list[str]
             f" {floor * 1e3:.2f} ({bound}) | {floor / seconds:.0%} (x{seconds / floor:.2f}) | - |"
         )
     for kernel, seconds in engine.get("capture_s", {}).items():
-        rows.append(f"\nCUDA graphs captured for {kernel} in {seconds:.1f} s")
+        if f"{kernel}, graphs" not in engine.get("kernel_errors", {}):
+            rows.append(f"\nCUDA graphs captured for {kernel} in {seconds:.1f} s")
     for kernel, profile in engine.get("profile", {}).items():
         top = ", ".join(f"{name} x{count}" for name, count in profile["top"])
         rows.append(
