@@ -92,7 +92,9 @@ def with_graphs(runner, max_batch: int) -> DecodeGraphs:
     return DecodeGraphs(forward, runner.device, max_batch, max_blocks, MAX_MODEL_LEN)
 
 
-@pytest.mark.parametrize(("block_size", "paged"), LAYOUTS)
+# On a CPU one layout shows what padding does (the buffers do not depend on it); a GPU
+# captures each.
+@pytest.mark.parametrize(("block_size", "paged"), LAYOUTS if CUDA else LAYOUTS[1:2])
 def test_padded_decode_steps_give_hf_greedy_tokens(model_dir, hf_model, block_size, paged):
     """Three prompts decode as a batch of 3 in the bucket of 4; a prompt chunk beside decodes
     runs eagerly."""
