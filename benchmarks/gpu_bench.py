@@ -364,7 +364,7 @@ def _fitting_batches(plan: Plan, shape: LlamaShape, device, blocks_each: int) ->
     if device.type != "cuda":
         return plan.batches
     free = 0.85 * torch.cuda.get_device_properties(device).total_memory
-    free -= 2 * shape.num_params * shape.dtype_bytes
+    free -= 2 * shape.num_params * shape.element_bytes
     per_sequence = blocks_each * BLOCK_SIZE * shape.kv_bytes_per_token()
     fitting = tuple(b for b in plan.batches if max(b, plan.batch) * per_sequence <= free)
     return fitting or plan.batches[:1]

@@ -51,7 +51,7 @@ def table(results: dict, shape: LlamaShape) -> str:
     ceilings = results.get("ceilings")
     if ceilings is not None:
         c = Ceilings(**ceilings)
-        weights = shape.num_params * shape.dtype_bytes / 1e9
+        weights = shape.num_params * shape.element_bytes / 1e9
         lines.append(
             f"ceilings: read {c.read_bytes_per_s / 1e12:.2f} TB/s (copy"
             f" {c.copy_bytes_per_s / 1e12:.2f}), matmul {c.matmul_flops_per_s / 1e12:.0f}"
@@ -85,7 +85,7 @@ def _step_rows(engine: dict, shape: LlamaShape, ceilings: Ceilings) -> list[str]
         )
     prompt = engine.get("prompt_len")
     for kernel, seconds in engine.get("ttft_s", {}).items():
-        weights = shape.num_params * shape.dtype_bytes
+        weights = shape.num_params * shape.element_bytes
         floor, bound = ceilings.floor_s(weights, shape.prefill_flops(prompt))
         rows.append(
             f"| first token | {kernel} | eager | 1 | {prompt} prompt | {seconds * 1e3:.1f} | - |"

@@ -7,47 +7,27 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+
+from .step_floor import ModelShape
 
 
 @dataclass(frozen=True)
-class LlamaShape:
-    hidden: int
-    intermediate: int
-    layers: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    dtype_bytes: int = 2
+class LlamaShape(ModelShape):
+    """step_floor's shape of a step's work, with what a whole model's bytes also need."""
+
+    tied: bool = False  # the LM head is the embedding table
 
     @classmethod
-    def of(cls, config: dict, dtype_bytes: int = 2) -> LlamaShape:
+    def of(cls, config: dict, element_bytes: int = 2) -> LlamaShape:
         """From an HF Llama config.json's fields."""
-        heads = config["num_attention_heads"]
-        return cls(
-            hidden=config["hidden_size"],
-            intermediate=config["intermediate_size"],
-            layers=config["num_hidden_layers"],
-            q_heads=heads,
-            kv_heads=config.get("num_key_value_heads", heads),
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            vocab=config["vocab_size"],
-            tied=bool(config.get("tie_word_embeddings", False)),
-            dtype_bytes=dtype_bytes,
-        )
-
-    @property
-    def layer_matmul_params(self) -> int:
-        attention = self.hidden * (self.q_heads + 2 * self.kv_heads) * self.head_dim
-        attention += self.q_heads * self.head_dim * self.hidden
-        return attention + 3 * self.hidden * self.intermediate
+        shape = ModelShape.from_config(config, element_bytes)
+        return cls(**asdict(shape), tied=bool(config.get("tie_word_embeddings", False)))
 
     @property
     def matmul_params(self) -> int:
         """Weights every token multiplies: the decoder's linears and the LM head."""
-        return self.layers * self.layer_matmul_params + self.vocab * self.hidden
+        return self.layers * self.layer_weights + self.vocab * self.hidden
 
     @property
     def num_params(self) -> int:
@@ -56,16 +36,16 @@ class LlamaShape:
         return self.matmul_params + norms + embedding
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.element_bytes
 
     def decode_bytes(self, batch: int, context: int) -> int:
         """One decode step of `batch` sequences with `context` cached tokens each: every
         weight read once (the embedding only at the batch's rows), every sequence's K/V once,
         the new K/V written."""
         weights = (self.num_params - (0 if self.tied else self.vocab * self.hidden)) * (
-            self.dtype_bytes
+            self.element_bytes
         )
-        embedding_rows = batch * self.hidden * self.dtype_bytes
+        embedding_rows = batch * self.hidden * self.element_bytes
         return weights + embedding_rows + batch * (context + 1) * self.kv_bytes_per_token()
 
     def attention_flops(self, query_rows: int, keys_each: float) -> float:
@@ -78,7 +58,7 @@ class LlamaShape:
     def prefill_flops(self, prompt: int) -> float:
         """A whole prompt in one step, its last row through the LM head (causal: each row sees
         half the keys on average)."""
-        decoder = 2.0 * self.layers * self.layer_matmul_params * prompt
+        decoder = 2.0 * self.layers * self.layer_weights * prompt
         head = 2.0 * self.vocab * self.hidden
         return decoder + head + self.attention_flops(prompt, (prompt + 1) / 2)
 
