@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from lmserve.properties.config import default_cache_dir
+from lmserve.properties.python_command import python_command
 from lmserve.rolling_batch.core.step import SequenceChunk
 from lmserve.rolling_batch.engine.mpi_launch import engine_environment
 from lmserve.rolling_batch.model.layers.cpu_matmul import try_pack
@@ -158,9 +159,7 @@ def run_under_engine_allocator(module: str) -> None:
     """Re-executes `python -m module` with the allocator settings the engine processes get,
     unless they are set already (glibc reads them at start-up only)."""
     if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
-        os.execve(
-            sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], engine_environment()
-        )
+        os.execve(sys.executable, python_command("-m", module, *sys.argv[1:]), engine_environment())
 
 
 def main() -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import requests
+
+from lmserve.properties.python_command import python_command
 
 
 @contextmanager
@@ -24,8 +25,7 @@ def running_server(properties: dict[str, object], port: int, env: dict[str, str]
     started = time.monotonic()
     server = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
+            *python_command("-m"),
             "lmserve.container.cli",
             "serve",
             "--model-dir",

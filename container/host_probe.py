@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lmserve.properties.python_command import python_command
+
 from .cluster import Cluster, ClusterError
 
 _HASHED_BELOW = 1 << 20  # bytes: configs and tokenizers are hashed, weights compared by size
@@ -105,7 +107,7 @@ def check_hosts(
     launcher = environ.get("HYDRA_LAUNCHER_EXEC") or "ssh"
     extra = shlex.split(environ.get("HYDRA_LAUNCHER_EXTRA_ARGS", ""))  # e.g. -p 2022
     arguments = [str(model_dir)] + ([str(adapters_dir)] if adapters_dir is not None else [])
-    command = shlex.join([sys.executable, "-m", "lmserve.container.host_probe", *arguments])
+    command = shlex.join(python_command("-m", "lmserve.container.host_probe", *arguments))
     problems = []
     for host in cluster.workers:
         # As hydra calls its launcher: `LAUNCHER -x [EXTRA ARGS] HOST COMMAND` (-x: no X11).

@@ -14,11 +14,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from lmserve.properties.python_command import python_command
 from lmserve.rolling_batch.engine.mpi_launch import engine_environment, rank_command
 from lmserve.rolling_batch.ipc import protocol
 from lmserve.rolling_batch.ipc.runtime import Runtime, read_state, write_state
@@ -59,15 +59,17 @@ class Supervisor:
         write_state(self.runtime, protocol.EngineState.LOADING, "loading the model")
         try:
             self.engine = self._start_engine(runtime_path)
-            self.http = self._start(self._gunicorn_command(runtime_path))
+            # gunicorn puts the directory it starts in first on sys.path (before it reads its
+            # --chdir): the private runtime folder, never where `lmserve serve` ran (from a
+            # checkout's root, kernels/ would shadow the installed package of that name).
+            self.http = self._start(self._gunicorn_command(runtime_path), cwd=runtime_path.parent)
             return self._supervise(runtime_path)
         finally:
             self._stop_children()
             shutil.rmtree(self.runtime.ipc_dir, ignore_errors=True)
 
     def _gunicorn_command(self, runtime_path: Path) -> list[str]:
-        return [
-            sys.executable,
+        return python_command(
             "-m",
             "gunicorn",
             "--config",
@@ -75,10 +77,12 @@ class Supervisor:
             "--bind",
             f"{self.host}:{self.port}",
             f"lmserve.container.app:create_app({str(runtime_path)!r})",
-        ]
+        )
 
-    def _start(self, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        return subprocess.Popen(command, start_new_session=True, env=env)
+    def _start(
+        self, command: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> subprocess.Popen:
+        return subprocess.Popen(command, start_new_session=True, env=env, cwd=cwd)
 
     def _start_engine(self, runtime_path: Path) -> subprocess.Popen:
         command = engine_command(self.runtime, runtime_path)
@@ -159,7 +163,7 @@ def engine_command(runtime: Runtime, runtime_path: Path) -> list[str]:
         return rank_command(
             config.tensor_parallel_degree, "lmserve.rolling_batch.engine.process", str(runtime_path)
         )
-    return [sys.executable, "-m", "lmserve.handlers.python_engine.process", str(runtime_path)]
+    return python_command("-m", "lmserve.handlers.python_engine.process", str(runtime_path))
 
 
 def _stop_group(child: subprocess.Popen) -> None:

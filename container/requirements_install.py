@@ -20,6 +20,8 @@ import sys
 import venv
 from pathlib import Path
 
+from lmserve.properties.python_command import python_command
+
 log = logging.getLogger(__name__)
 
 REQUIREMENTS_FILE = "requirements.txt"
@@ -61,9 +63,7 @@ def _create_overlay(folder: Path) -> None:
 
 def _pip_install(overlay: Path, requirements: Path) -> None:
     command = [
-        sys.executable,
-        "-m",
-        "pip",
+        *python_command("-m", "pip"),
         "--python",
         str(overlay / "bin" / "python"),
         "install",

@@ -14,6 +14,11 @@ import pytest
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/proc/driver/nvidia/gpus").is_dir():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every Python a test starts (servers, `python -c` probes, their engine ranks) keeps the current
+# directory off sys.path, as lmserve's own launches do (properties/python_command.py): run from
+# the repository root, its top-level folders would shadow installed packages (`kernels`).
+os.environ["PYTHONSAFEPATH"] = "1"
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Kept between local runs (gitignored) so the ~20 s GGUF conversion happens once per machine.
 TEST_CACHE_DIR = REPO_ROOT / ".cache" / "tests"

@@ -34,6 +34,7 @@ from lmserve.benchmarks.runtime_throughput import (
 )
 from lmserve.kernels import cpu_native
 from lmserve.properties.config import default_cache_dir
+from lmserve.properties.python_command import python_command
 from lmserve.rolling_batch.engine.mpi_launch import engine_environment
 from lmserve.rolling_batch.model.layers import cpu_matmul
 from lmserve.rolling_batch.model.source import local_model_path
@@ -147,7 +148,7 @@ def run_under_engine_allocator() -> None:
     they are set already (glibc reads them at start-up only)."""
     if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
         script = os.path.abspath(__file__)
-        os.execve(sys.executable, [sys.executable, script, *sys.argv[1:]], engine_environment())
+        os.execve(sys.executable, python_command(script, *sys.argv[1:]), engine_environment())
 
 
 def main() -> None:

@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lmserve.properties.python_command import python_command
+
 # glibc hands freed buffers above its mmap threshold back to the OS, and the next step's
 # equally large buffers (gathered K/V, activations) page-fault in again, every layer of every
 # step: decode attention over 64 x 512 tokens measured 5-10x slower for it here. Keep freed
@@ -50,10 +52,5 @@ def rank_command(
         *options,
         "-n",
         str(num_ranks),
-        sys.executable,
-        "-m",
-        "mpi4py",
-        "-m",
-        module,
-        argument,
+        *python_command("-m", "mpi4py", "-m", module, argument),
     ]

@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import struct
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from lmserve.properties.python_command import python_command
 
 
 @dataclass(frozen=True)
@@ -273,14 +274,13 @@ def _quantized_checkpoints(method: str) -> str:
 
 
 def _generic_refusal(path: Path, wanted: EngineRequest) -> str | None:
-    args = [
-        sys.executable,
+    args = python_command(
         "-m",
         "lmserve.rolling_batch.model.families.generic",
         str(path),
         str(wanted.tensor_parallel_degree),
         "1" if wanted.trust_remote_code else "0",
-    ]
+    )
     try:  # reading a config takes seconds; the bound only keeps start-up from hanging
         done = subprocess.run(args, capture_output=True, text=True, check=False, timeout=300)
     except subprocess.TimeoutExpired:

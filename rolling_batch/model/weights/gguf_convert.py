@@ -17,8 +17,9 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
+
+from lmserve.properties.python_command import python_command
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +58,9 @@ def convert_gguf_once(gguf: Path, cache_dir: Path) -> Path:
         return destination
     destination.parent.mkdir(parents=True, exist_ok=True)
     log.info("converting %s into %s (once; later starts reuse it)", gguf, destination)
-    command = [
-        sys.executable,
-        "-m",
-        "lmserve.rolling_batch.model.weights.gguf_convert",
-        str(gguf),
-        str(destination),
-    ]
+    command = python_command(
+        "-m", "lmserve.rolling_batch.model.weights.gguf_convert", str(gguf), str(destination)
+    )
     if subprocess.run(command).returncode != 0:
         raise GGUFError(f"{gguf}: GGUF conversion failed (see the log above)")
     return destination
