@@ -1,9 +1,10 @@
 """serving.properties + environment -> one frozen, validated ServingConfig.
 
-Precedence for each key, highest first (lmi-contract.md): the file, then `OPTION_*` /
-`SERVING_*`, then the key's named variables (LMI names such as `HF_MODEL_ID` and
-`TENSOR_PARALLEL_DEGREE`, then the TGI/SageMaker aliases such as `SM_NUM_GPUS`), then the
-default. Every value remembers where it came from, for `lmserve config`.
+Precedence for each key, highest first (as DJL Serving's LMI container reads them;
+docs/configuration.md): the file, then `OPTION_*` / `SERVING_*`, then the key's named variables
+(LMI names such as `HF_MODEL_ID` and `TENSOR_PARALLEL_DEGREE`, then the TGI/SageMaker aliases
+such as `SM_NUM_GPUS`), then the default. Every value remembers where it came from, for
+`lmserve config`.
 """
 
 from __future__ import annotations

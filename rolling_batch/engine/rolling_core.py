@@ -1,4 +1,4 @@
-"""Rank 0's core for engine=MPI: the rolling batch, as DESIGN.md draws it. The shell
+"""Rank 0's core for engine=MPI: the rolling batch, as docs/design.md draws it. The shell
 (shell.py) reads the socket and queues requests here; each step:
 
       out = scheduler.schedule()

@@ -1,5 +1,5 @@
 """load_config: serving.properties + environment -> one validated ServingConfig, with the source
-of every value (lmi-contract.md, "serving.properties" and "Environment")."""
+of every value (docs/configuration.md, as DJL Serving's LMI container reads them)."""
 
 from __future__ import annotations
 
