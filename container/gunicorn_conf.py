@@ -12,7 +12,10 @@ threads = 64
 preload_app = False
 # gthread workers heartbeat from their main loop, so long generations never trip this.
 timeout = 120
-graceful_timeout = 10
+# On SIGTERM (`docker stop`), requests in flight finish for up to this long; docker sends SIGKILL
+# 10 s after SIGTERM by default, so the front end's drain ends early enough for the engine to stop
+# too and the server to exit 0.
+graceful_timeout = 8
 keepalive = 5
 accesslog = "-"
 access_log_format = '%(h)s "%(r)s" %(s)s %(B)s %(M)sms x-request-id=%({x-request-id}o)s'
