@@ -41,8 +41,9 @@ BUILD_TIMEOUT = 1800
 START_TIMEOUT = 600
 REQUEST_TIMEOUT = 300
 # What one in-flight request should last, at the decode speed measured just before: long enough
-# to be mid-stream when `docker stop` arrives, short beside gunicorn's graceful_timeout.
-IN_FLIGHT_SECONDS = 2.0
+# to be mid-stream when `docker stop` arrives, short beside gunicorn's graceful_timeout (8 s),
+# which must also cover four of them batched and a machine that slows down meanwhile.
+IN_FLIGHT_SECONDS = 1.5
 STREAMS = 4
 PROBE_TOKENS = 32
 # The rank of a one-rank MPI engine: `python -P -m mpi4py -m lmserve...process RUNTIME`.
