@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -81,6 +82,11 @@ def _read_config(model_dir: Path | None, user_handler: bool = False) -> Resolved
 
 
 def serve(args: argparse.Namespace) -> int:
+    # PID 1 in a container ignores a signal it has no handler for: without one, a `docker stop`
+    # while the model resolves (a download, a GGUF conversion) waits out docker's timeout for
+    # its SIGKILL. Nothing is served yet, so stopping then is a clean exit; the supervisor
+    # installs its own handlers once it runs.
+    signal.signal(signal.SIGTERM, _stop_starting)
     model_dir = args.model_dir if args.model_dir is not None else default_model_dir()
     served = served_model_dir(model_dir)  # a model store's one model: its own folder and file
     resolved, entry, is_handler = _load(served)
@@ -197,6 +203,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         bench_cli.add_arguments(bench_parser)
         bench_parser.set_defaults(run=bench_cli.run)
     return parser
+
+
+def _stop_starting(signum: int, _frame) -> None:
+    log.info("stopped (signal %d) before the server started", signum)
+    raise SystemExit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
