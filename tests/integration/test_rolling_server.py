@@ -37,7 +37,7 @@ def make_requests(count: int = 24):
     requests_ = []
     for index in range(count):
         words = [rng.choice(WORDS) for _ in range(rng.randrange(1, 40))]
-        requests_.append((f"Story {index}: " + " ".join(words), rng.randrange(1, 97)))
+        requests_.append((f"Story {index}: " + " ".join(words), rng.randrange(1, 65)))
     return requests_
 
 
