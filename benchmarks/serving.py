@@ -24,8 +24,8 @@ def running_server(properties: dict[str, object], port: int, env: dict[str, str]
     (folder / "serving.properties").write_text("\n".join(lines) + "\n")
     started = time.monotonic()
     server = subprocess.Popen(
-        [
-            *python_command("-m"),
+        python_command(
+            "-m",
             "lmserve.container.cli",
             "serve",
             "--model-dir",
@@ -34,7 +34,7 @@ def running_server(properties: dict[str, object], port: int, env: dict[str, str]
             "127.0.0.1",
             "--port",
             str(port),
-        ],
+        ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
